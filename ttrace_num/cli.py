@@ -1,0 +1,228 @@
+"""``ttrace`` command line: numerics subcommands.
+
+``ttrace formats``                      table of every known format and its constants
+``ttrace tolerance OP [inputs] [opts]``  the bound of an op on tensors from a safetensors
+                                        file or on generated data; ``--json`` for machines
+``ttrace demo``                         the demo (see README)
+
+The parser is built by :func:`build_parser` so that other packages (the tracer) can add
+subcommands without this package importing them.
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import sys
+from typing import Callable, Sequence
+
+import torch
+
+import ttrace_num as tn
+from .formats import FORMATS, get_format
+
+__all__ = ["main", "build_parser", "generate", "DISTRIBUTIONS"]
+
+
+def _fmt_num(v: object) -> str:
+    if isinstance(v, float):
+        return f"{v:.6g}"
+    return str(v)
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    return "\n".join(out)
+
+
+# ------------------------------------------------------------------- formats
+def cmd_formats(args: argparse.Namespace) -> int:
+    fmts = list(FORMATS.values()) + [get_format(c) for c in args.custom or []]
+    consts = [f.constants() for f in fmts]
+    if args.json:
+        print(json.dumps(consts, indent=2))
+        return 0
+    cols = ["name", "bits", "exponent_bits", "mantissa_bits", "bias", "u", "max", "min_normal", "min_subnormal", "inf", "nan", "overflow"]
+    print(_table(["format", "bits", "e", "m", "bias", "u", "max", "min normal", "min subnormal", "inf", "NaN", "overflow"],
+                 [[_fmt_num(c[k]) for k in cols] for c in consts]))
+    return 0
+
+
+# ----------------------------------------------------------------- tolerance
+def _dist_normal(shape, g):
+    return torch.randn(shape, generator=g, dtype=torch.float64)
+
+
+def _dist_uniform(shape, g):
+    return torch.rand(shape, generator=g, dtype=torch.float64) * 2 - 1
+
+
+def _dist_positive(shape, g):
+    return torch.randn(shape, generator=g, dtype=torch.float64).abs()
+
+
+def _dist_heavy(shape, g):
+    # Student t with 3 degrees of freedom: normal / sqrt(chi2_3 / 3)
+    z = torch.randn(shape, generator=g, dtype=torch.float64)
+    c = (torch.randn((3, *shape), generator=g, dtype=torch.float64) ** 2).sum(0) / 3
+    return z / c.sqrt()
+
+
+def _dist_activations(shape, g):
+    # activation-like: normal body with 0.1% outliers 100x larger (LLM outlier features)
+    x = torch.randn(shape, generator=g, dtype=torch.float64)
+    mask = torch.rand(shape, generator=g) < 1e-3
+    return torch.where(mask, x * 100, x)
+
+
+DISTRIBUTIONS: dict[str, Callable[[tuple[int, ...], torch.Generator], torch.Tensor]] = {
+    "normal": _dist_normal, "uniform": _dist_uniform, "positive": _dist_positive,
+    "heavy": _dist_heavy, "activations": _dist_activations,
+}
+
+_INT_TARGET_OPS = {"cross_entropy", "vocab_parallel_cross_entropy"}
+
+
+def generate(op: str, shapes: Sequence[tuple[int, ...]], dist: str, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    """Inputs for ``op``: one tensor per shape from ``dist`` in ``dtype``; for cross-entropy ops
+    a second shape-less input is the int64 target vector drawn uniformly over the vocab."""
+    if dist not in DISTRIBUTIONS:
+        raise SystemExit(f"unknown distribution {dist!r}; choose from {', '.join(DISTRIBUTIONS)}")
+    g = torch.Generator().manual_seed(seed)
+    tensors = [DISTRIBUTIONS[dist](tuple(s), g).to(dtype) for s in shapes]
+    if op in _INT_TARGET_OPS and len(tensors) == 1:
+        n, v = shapes[0][0], shapes[0][-1]
+        tensors.append(torch.randint(0, v, (n,), generator=g))
+    return tensors
+
+
+def _parse_shape(s: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(d) for d in s.lower().replace(",", "x").split("x") if d)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad shape {s!r}; write e.g. 64x512") from None
+
+
+def _parse_kw(items: Sequence[str]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for it in items:
+        if "=" not in it:
+            raise SystemExit(f"--kw expects key=value, got {it!r}")
+        k, v = it.split("=", 1)
+        try:
+            out[k] = ast.literal_eval(v)
+        except (ValueError, SyntaxError):
+            out[k] = v  # plain string, e.g. approximate=tanh
+    return out
+
+
+def _load_inputs(path: str, names: Sequence[str]) -> list[torch.Tensor]:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    try:
+        tensors = load_file(path)
+    except FileNotFoundError:
+        raise SystemExit(f"input file {path!r} not found") from None
+    except (SafetensorError, OSError) as e:
+        raise SystemExit(f"cannot read {path!r} as safetensors ({e}); is the file complete?") from None
+    if not names:
+        names = list(tensors)
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise SystemExit(f"{path}: no tensor named {', '.join(missing)}; the file holds {', '.join(tensors) or 'nothing'}")
+    return [tensors[n] for n in names]
+
+
+def cmd_tolerance(args: argparse.Namespace) -> int:
+    kw = _parse_kw(args.kw or [])
+    if args.file:
+        inputs = _load_inputs(args.file, args.inputs.split(",") if args.inputs else [])
+        source = f"{args.file}"
+    else:
+        if not args.shape:
+            raise SystemExit("give --file F.safetensors [--inputs a,b] or one --shape per input (e.g. --shape 64x512 --shape 512x32)")
+        inputs = generate(args.op, args.shape, args.dist, get_format(args.dtype).torch_dtype or torch.float64, args.seed)
+        source = f"generated {args.dist} data, seed {args.seed}"
+    for t in inputs:
+        if t.is_floating_point() and not torch.isfinite(t.to(torch.float64)).all():
+            raise SystemExit("input contains NaN/Inf; a tolerance is only defined for finite inputs")
+    try:
+        bound = tn.tolerance(args.op, *inputs, fmt=args.fmt, compute_fmt=args.compute_fmt, mode=args.mode,
+                             **({"failure_probability": args.failure_probability} if args.mode == "probabilistic" else {}), **kw)
+    except (TypeError, ValueError) as e:
+        raise SystemExit(f"ttrace tolerance {args.op}: {e}") from None
+    atol, rtol = bound.atol_rtol()
+    summary = {
+        "op": args.op, "inputs": source, "shapes": [list(t.shape) for t in inputs],
+        "dtypes": [str(t.dtype).replace("torch.", "") for t in inputs], "mode": bound.mode,
+        "failure_probability": bound.failure_probability, "max_abs": bound.max(),
+        "median_abs": float(bound.abs.median()), "atol": atol, "rtol": rtol,
+        "explanation": bound.explanation.to_dict(),
+    }
+    if args.save:
+        from safetensors.torch import save_file
+        save_file({"bound": bound.abs.contiguous()}, args.save)
+        summary["saved"] = args.save
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    print(f"{args.op} on {source}: shapes {summary['shapes']} dtypes {summary['dtypes']}")
+    print(f"  max |err| bound     {summary['max_abs']:.6g}")
+    print(f"  median |err| bound  {summary['median_abs']:.6g}")
+    print(f"  covering atol/rtol  atol={atol:.3g} rtol={rtol:.3g}")
+    print(bound.explain())
+    return 0
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]:
+    p = argparse.ArgumentParser(prog="ttrace", description="Derived numerical tolerances and traced comparisons of training runs.")
+    p.add_argument("--version", action="version", version=f"ttrace-num {tn.__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    f = sub.add_parser("formats", help="table of every known float format and its constants")
+    f.add_argument("--custom", action="append", metavar="SPEC", help="also show a custom format, e.g. 'custom(e=3, m=2)'")
+    f.add_argument("--json", action="store_true")
+    f.set_defaults(func=cmd_formats)
+
+    t = sub.add_parser("tolerance", help="bound on |computed - exact| for an op on given or generated inputs",
+                       epilog="examples:\n  ttrace tolerance matmul --shape 64x512 --shape 512x32 --dtype bf16\n"
+                              "  ttrace tolerance softmax --shape 8x4096 --dtype bf16 --mode probabilistic --json\n"
+                              "  ttrace tolerance layer_norm --file acts.safetensors --inputs x --kw eps=1e-5",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    t.add_argument("op", help=f"one of: {', '.join(tn.ops())}")
+    t.add_argument("--file", help="safetensors file holding the inputs")
+    t.add_argument("--inputs", help="comma-separated tensor names in --file, in the op's argument order")
+    t.add_argument("--shape", action="append", type=_parse_shape, help="shape of one generated input (repeat per input)")
+    t.add_argument("--dist", default="normal", help=f"distribution of generated data: {', '.join(DISTRIBUTIONS)}")
+    t.add_argument("--dtype", default="fp32", help="dtype of generated data (fp32, bf16, fp16, fp64)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--fmt", help="storage format (default: the inputs' dtype)")
+    t.add_argument("--compute-fmt", dest="compute_fmt", help="compute/accumulation format (default fp32 for narrower inputs)")
+    t.add_argument("--mode", choices=("deterministic", "probabilistic"), default="deterministic")
+    t.add_argument("--failure-probability", dest="failure_probability", type=float, default=1e-6)
+    t.add_argument("--kw", action="append", metavar="KEY=VALUE", help="op keyword argument, e.g. dim=-1, eps=1e-5 (repeatable)")
+    t.add_argument("--save", metavar="OUT.safetensors", help="save the elementwise bound tensor")
+    t.add_argument("--json", action="store_true", help="machine-readable output")
+    t.set_defaults(func=cmd_tolerance)
+
+    d = sub.add_parser("demo", help="run the demo (see README)")
+    d.set_defaults(func=cmd_demo)
+    return p, sub
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .layer_demo import main as demo_main
+    return demo_main()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser, _ = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

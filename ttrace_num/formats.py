@@ -1,0 +1,320 @@
+"""Floating-point formats as data.
+
+A format is a sign bit (optional), ``exponent_bits`` of biased exponent and
+``mantissa_bits`` of explicit significand, plus the choices that differ between
+real formats: the exponent bias, which encodings mean Inf/NaN, whether values
+below the normal range are subnormal, and what an out-of-range cast does by
+default (overflow to Inf, to NaN, or saturate at the largest finite value).
+
+Notation (used across the library and in ``docs/bounds.md``):
+
+* precision ``p = mantissa_bits + 1`` significand bits, hidden bit included;
+* unit roundoff ``u = 2**-p``: round-to-nearest gives ``|fl(x) - x| <= u |x|``
+  for ``x`` in the normal range (Higham, *Accuracy and Stability of Numerical
+  Algorithms*, 2nd ed., Thm 2.2);
+* machine epsilon ``eps = 2**-mantissa_bits = 2u`` (spacing of the numbers in [1, 2));
+* ``emin = 1 - bias``: exponent of the smallest normal ``2**emin``;
+* the smallest subnormal is ``2**(emin - mantissa_bits)``; below the normal range
+  round-to-nearest has the *absolute* error bound ``2**(emin - mantissa_bits - 1)``.
+
+Special-value conventions (``nan_encoding``):
+
+* ``"ieee"``: IEEE 754, the all-ones exponent is Inf (mantissa 0) or NaN;
+* ``"fn"``: finite-only OCP FP8 E4M3: no Inf, only the all-ones pattern
+  ``S.1111.111`` is NaN, so the largest finite value has mantissa ``1..10``;
+* ``"fnuz"``: finite, NaN encoded as negative zero (AMD/Graphcore FP8): every
+  exponent code is finite, there is no -0;
+* ``"none"``: no Inf and no NaN (OCP MX FP6/FP4 element formats);
+* ``"e8m0"``: the OCP MX scale format: unsigned, 8 exponent bits, no mantissa,
+  no zero, 0xFF is NaN.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import torch
+
+NanEncoding = Literal["ieee", "fn", "fnuz", "none", "e8m0"]
+Overflow = Literal["inf", "nan", "saturate"]
+
+__all__ = [
+    "FloatFormat",
+    "FORMATS",
+    "get_format",
+    "custom",
+    "known_formats",
+    "half_ulp",
+]
+
+
+@dataclass(frozen=True, repr=False)
+class FloatFormat:
+    """A binary floating-point format. Frozen, hashable, comparable by value.
+
+    Build the standard ones with :func:`get_format` (``"bf16"``, ``"e4m3"``, ...) and
+    arbitrary ones with :func:`custom`.
+    """
+
+    name: str
+    exponent_bits: int
+    mantissa_bits: int
+    bias: int
+    nan_encoding: NanEncoding = "ieee"
+    signed: bool = True
+    subnormals: bool = True
+    default_overflow: Overflow = "inf"
+    torch_dtype: torch.dtype | None = field(default=None, compare=False)
+    ml_dtypes_name: str | None = field(default=None, compare=False)
+    aliases: tuple[str, ...] = field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        if self.exponent_bits < 1:
+            raise ValueError(f"format {self.name!r}: exponent_bits must be >= 1, got {self.exponent_bits}")
+        if self.mantissa_bits < 0:
+            raise ValueError(f"format {self.name!r}: mantissa_bits must be >= 0, got {self.mantissa_bits}")
+        if self.exponent_bits + self.mantissa_bits > 63:
+            raise ValueError(f"format {self.name!r}: more than 64 bits are not supported")
+        if self.nan_encoding == "fn" and self.mantissa_bits < 1:
+            raise ValueError(f"format {self.name!r}: the 'fn' NaN encoding needs at least one mantissa bit")
+        if self.nan_encoding == "ieee" and self.exponent_bits < 2:
+            raise ValueError(f"format {self.name!r}: IEEE Inf/NaN encodings need at least 2 exponent bits")
+
+    # ------------------------------------------------------------------ constants
+    @property
+    def precision(self) -> int:
+        """Significand bits including the hidden bit, ``p``."""
+        return self.mantissa_bits + 1
+
+    @property
+    def u(self) -> float:
+        """Unit roundoff ``2**-p`` of round-to-nearest."""
+        return 2.0 ** (-self.precision)
+
+    @property
+    def eps(self) -> float:
+        """Machine epsilon ``2**-mantissa_bits`` (the gap from 1 to the next number)."""
+        return 2.0 ** (-self.mantissa_bits)
+
+    @property
+    def has_inf(self) -> bool:
+        return self.nan_encoding == "ieee"
+
+    @property
+    def has_nan(self) -> bool:
+        return self.nan_encoding != "none"
+
+    @property
+    def emin(self) -> int:
+        """Exponent of the smallest normal number, ``1 - bias``.
+
+        For ``e8m0`` (no subnormals, every code is a power of two) it is ``-bias``.
+        """
+        return -self.bias if self.nan_encoding == "e8m0" else 1 - self.bias
+
+    @property
+    def emax(self) -> int:
+        """Exponent of the largest finite number."""
+        top_code = 2**self.exponent_bits - 1
+        if self.nan_encoding in ("ieee", "e8m0"):
+            top_code -= 1  # all-ones exponent is reserved for Inf/NaN
+        return top_code - self.bias
+
+    @property
+    def max(self) -> float:
+        """Largest finite value."""
+        m = self.mantissa_bits
+        frac_codes = 2**m - 1  # all-ones mantissa
+        if self.nan_encoding == "fn":
+            frac_codes -= 1  # S.1111.111 is NaN
+        return math.ldexp(1.0 + frac_codes / 2**m, self.emax)
+
+    @property
+    def min_normal(self) -> float:
+        return math.ldexp(1.0, self.emin)
+
+    @property
+    def min_subnormal(self) -> float:
+        """Smallest positive value (the smallest normal when there are no subnormals)."""
+        if not self.subnormals or self.mantissa_bits == 0:
+            return self.min_normal
+        return math.ldexp(1.0, self.emin - self.mantissa_bits)
+
+    @property
+    def subnormal_abs_error(self) -> float:
+        """Absolute error bound of round-to-nearest below the normal range: half the
+        subnormal spacing ``2**(emin - m - 1)`` (or ``min_normal/2``-ish without subnormals)."""
+        if not self.subnormals:
+            return self.min_normal / 2 if self.mantissa_bits > 0 else self.min_normal
+        return math.ldexp(1.0, self.emin - self.mantissa_bits - 1)
+
+    @property
+    def bits(self) -> int:
+        return int(self.signed) + self.exponent_bits + self.mantissa_bits
+
+    def constants(self) -> dict[str, float | int | str | bool]:
+        """The format's constants as a plain dict (for tables and JSON)."""
+        return {
+            "name": self.name,
+            "bits": self.bits,
+            "exponent_bits": self.exponent_bits,
+            "mantissa_bits": self.mantissa_bits,
+            "bias": self.bias,
+            "precision": self.precision,
+            "u": self.u,
+            "eps": self.eps,
+            "emin": self.emin,
+            "emax": self.emax,
+            "max": self.max,
+            "min_normal": self.min_normal,
+            "min_subnormal": self.min_subnormal,
+            "inf": self.has_inf,
+            "nan": self.nan_encoding,
+            "overflow": self.default_overflow,
+        }
+
+    def __str__(self) -> str:
+        return self.name
+
+    def __repr__(self) -> str:
+        return f"FloatFormat({self.name!r})"
+
+    def with_overflow(self, overflow: Overflow) -> "FloatFormat":
+        """The same format with another default overflow behaviour (e.g. saturating FP8 casts)."""
+        return replace(self, default_overflow=overflow)
+
+
+def _f(name: str, e: int, m: int, bias: int, nan: NanEncoding, overflow: Overflow,
+       torch_dtype: torch.dtype | None, ml: str | None, aliases: tuple[str, ...], **kw) -> FloatFormat:
+    return FloatFormat(name=name, exponent_bits=e, mantissa_bits=m, bias=bias, nan_encoding=nan,
+                       default_overflow=overflow, torch_dtype=torch_dtype, ml_dtypes_name=ml,
+                       aliases=aliases, **kw)
+
+
+def _dt(name: str) -> torch.dtype | None:
+    return getattr(torch, name, None)
+
+
+FORMATS: dict[str, FloatFormat] = {f.name: f for f in [
+    _f("fp64", 11, 52, 1023, "ieee", "inf", torch.float64, "float64", ("float64", "double")),
+    _f("fp32", 8, 23, 127, "ieee", "inf", torch.float32, "float32", ("float32", "float", "single")),
+    _f("tf32", 8, 10, 127, "ieee", "inf", None, None, ("tensorfloat32",)),
+    _f("bf16", 8, 7, 127, "ieee", "inf", torch.bfloat16, "bfloat16", ("bfloat16",)),
+    _f("fp16", 5, 10, 15, "ieee", "inf", torch.float16, "float16", ("float16", "half")),
+    _f("e4m3", 4, 3, 7, "fn", "nan", _dt("float8_e4m3fn"), "float8_e4m3fn",
+       ("e4m3fn", "float8_e4m3fn", "fp8_e4m3")),
+    _f("e5m2", 5, 2, 15, "ieee", "inf", _dt("float8_e5m2"), "float8_e5m2", ("float8_e5m2", "fp8_e5m2")),
+    _f("e4m3fnuz", 4, 3, 8, "fnuz", "nan", _dt("float8_e4m3fnuz"), "float8_e4m3fnuz", ("float8_e4m3fnuz",)),
+    _f("e5m2fnuz", 5, 2, 16, "fnuz", "nan", _dt("float8_e5m2fnuz"), "float8_e5m2fnuz", ("float8_e5m2fnuz",)),
+    _f("e8m0", 8, 0, 127, "e8m0", "nan", _dt("float8_e8m0fnu"), "float8_e8m0fnu",
+       ("e8m0fnu", "float8_e8m0fnu"), signed=False, subnormals=False),
+    _f("e2m3", 2, 3, 1, "none", "saturate", None, "float6_e2m3fn", ("fp6_e2m3", "float6_e2m3fn", "e2m3fn")),
+    _f("e3m2", 3, 2, 3, "none", "saturate", None, "float6_e3m2fn", ("fp6_e3m2", "float6_e3m2fn", "e3m2fn")),
+    _f("e2m1", 2, 1, 1, "none", "saturate", None, "float4_e2m1fn", ("fp4", "fp4_e2m1", "float4_e2m1fn", "e2m1fn")),
+]}
+
+_ALIASES: dict[str, str] = {}
+for _fmt in FORMATS.values():
+    _ALIASES[_fmt.name] = _fmt.name
+    for _a in _fmt.aliases:
+        _ALIASES[_a] = _fmt.name
+
+_CUSTOM_RE = re.compile(r"^custom\((.*)\)$")
+
+
+def custom(exponent_bits: int, mantissa_bits: int, bias: int | None = None, *,
+           nan_encoding: NanEncoding = "ieee", subnormals: bool = True, signed: bool = True,
+           overflow: Overflow | None = None, name: str | None = None) -> FloatFormat:
+    """A user-defined format with ``exponent_bits`` (e) and ``mantissa_bits`` (m).
+
+    ``bias`` defaults to the IEEE choice ``2**(e-1) - 1``. ``nan_encoding`` selects the
+    special values (see the module docstring); ``overflow`` defaults to ``"inf"`` for
+    IEEE encodings, ``"nan"`` for ``fn``/``fnuz`` and ``"saturate"`` for ``"none"``.
+
+    >>> custom(3, 2).u
+    0.125
+    """
+    if bias is None:
+        bias = 2 ** (exponent_bits - 1) - 1
+    if overflow is None:
+        overflow = {"ieee": "inf", "fn": "nan", "fnuz": "nan", "none": "saturate", "e8m0": "nan"}[nan_encoding]
+    if name is None:
+        name = f"custom(e={exponent_bits},m={mantissa_bits},bias={bias},{nan_encoding})"
+    return FloatFormat(name=name, exponent_bits=exponent_bits, mantissa_bits=mantissa_bits, bias=bias,
+                       nan_encoding=nan_encoding, signed=signed, subnormals=subnormals,
+                       default_overflow=overflow)
+
+
+def _parse_custom(args: str) -> FloatFormat:
+    """Parse ``"e=3, m=2, bias=3, nan=none"`` or ``"3,2"`` into :func:`custom` arguments."""
+    pos: list[int] = []
+    kw: dict[str, object] = {}
+    keymap = {"e": "exponent_bits", "m": "mantissa_bits", "bias": "bias", "nan": "nan_encoding",
+              "nan_encoding": "nan_encoding", "subnormals": "subnormals", "overflow": "overflow",
+              "exponent_bits": "exponent_bits", "mantissa_bits": "mantissa_bits"}
+    for part in filter(None, (p.strip() for p in args.split(","))):
+        if "=" in part:
+            k, v = (s.strip() for s in part.split("=", 1))
+            if k not in keymap:
+                raise ValueError(f"unknown custom-format field {k!r}; use e=, m=, bias=, nan=, subnormals=, overflow=")
+            key = keymap[k]
+            if key in ("nan_encoding", "overflow"):
+                kw[key] = v
+            elif key == "subnormals":
+                kw[key] = v.lower() in ("1", "true", "yes")
+            else:
+                kw[key] = int(v)
+        else:
+            pos.append(int(part))
+    for k, v in zip(("exponent_bits", "mantissa_bits", "bias"), pos):
+        kw[k] = v
+    if "exponent_bits" not in kw or "mantissa_bits" not in kw:
+        raise ValueError(f"custom format needs e and m, e.g. 'custom(e=3, m=2)'; got 'custom({args})'")
+    return custom(**kw)  # type: ignore[arg-type]
+
+
+def get_format(spec: "str | FloatFormat | torch.dtype") -> FloatFormat:
+    """Look a format up by name, alias, torch dtype, or ``"custom(e=.., m=..)"``.
+
+    Raises ``ValueError`` naming the known formats when ``spec`` is unknown.
+    """
+    if isinstance(spec, FloatFormat):
+        return spec
+    if isinstance(spec, torch.dtype):
+        for f in FORMATS.values():
+            if f.torch_dtype == spec:
+                return f
+        raise ValueError(f"torch dtype {spec} has no known floating-point format; known: {known_formats()}")
+    key = str(spec).strip()
+    m = _CUSTOM_RE.match(key.replace(" ", ""))
+    if m:
+        return _parse_custom(m.group(1))
+    name = _ALIASES.get(key.lower())
+    if name is None:
+        raise ValueError(f"unknown format {spec!r}; known: {known_formats()} or 'custom(e=E, m=M[, bias=B, nan=ieee|fn|fnuz|none])'")
+    return FORMATS[name]
+
+
+def known_formats() -> list[str]:
+    return list(FORMATS)
+
+
+def half_ulp(t: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """Round-to-nearest error bound at magnitude ``t`` (elementwise, float64).
+
+    For ``|t|`` in the normal binade ``[2**e, 2**(e+1))`` this is ``u * 2**e`` (half the
+    spacing there), at most ``u |t|``; below the normal range it is the absolute
+    ``fmt.subnormal_abs_error``. Monotone non-decreasing in ``|t|``, so
+    ``half_ulp(T)`` bounds the rounding error of every value of magnitude ``<= T``.
+    Above the largest finite value it returns ``+inf`` (overflow is not round-off).
+    """
+    t = t.abs().to(torch.float64)
+    _, exp = torch.frexp(t)  # t = mant * 2**exp, mant in [0.5, 1)
+    e = (exp - 1).clamp(min=fmt.emin)
+    out = torch.ldexp(torch.full_like(t, fmt.u), e.to(torch.float64))
+    if not fmt.subnormals:
+        out = torch.where(t < fmt.min_normal, torch.full_like(t, fmt.subnormal_abs_error), out)
+    out = torch.where(t > fmt.max, torch.full_like(t, math.inf), out)
+    return out
