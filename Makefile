@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VPY) -m ttrace_num.cli demo
+	$(VPY) examples/layer_numerics.py
 
 test: $(STAMP)
 	$(VPY) -m pytest -q -n 2 --dist loadfile tests

@@ -3,7 +3,6 @@
 ``ttrace formats``                      table of every known format and its constants
 ``ttrace tolerance OP [inputs] [opts]``  the bound of an op on tensors from a safetensors
                                         file or on generated data; ``--json`` for machines
-``ttrace demo``                         the demo (see README)
 
 The parser is built by :func:`build_parser` so that other packages (the tracer) can add
 subcommands without this package importing them.
@@ -208,14 +207,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     t.add_argument("--json", action="store_true", help="machine-readable output")
     t.set_defaults(func=cmd_tolerance)
 
-    d = sub.add_parser("demo", help="run the demo (see README)")
-    d.set_defaults(func=cmd_demo)
     return p, sub
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    from .layer_demo import main as demo_main
-    return demo_main()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,7 +18,7 @@ import torch
 
 from .base import Bound, Explanation
 from .common import f64, register, resolve_mode, resolve_precision
-from .summation import Summation, sum_error_bound
+from .summation import Summation, conversion_exact, sum_error_bound
 
 __all__ = ["sum_", "mean"]
 
@@ -43,7 +43,8 @@ def sum_(x: torch.Tensor, dim: int = -1, keepdim: bool = False, *, fmt=None, com
     summ = summation if summation is not None else Summation(accum=prec.compute)
     ms = resolve_mode(mode, failure_probability)
     s, ymag, n = _stats(x, dim, keepdim)
-    bound, values = sum_error_bound(s, ymag, n, summ, prec.out, ms.mode, ms.lam)
+    bound, values = sum_error_bound(s, ymag, n, summ, prec.out, ms.mode, ms.lam,
+                                    exact_products=conversion_exact(prec.storage, summ.accum))
     values["precision"] = prec.describe()
     return Bound(abs=bound, mode=ms.mode, failure_probability=ms.failure_probability, magnitude=ymag,
                  explanation=Explanation(op="sum", formula="|err| <= coef*S + eta + half_ulp_out(|y| + coef*S + eta), S = sum|x_i|",
@@ -62,6 +63,7 @@ def mean(x: torch.Tensor, dim: int = -1, keepdim: bool = False, *, fmt=None, com
     # the division is one more rounding level over the whole sum; the mean is the sum of
     # the terms x_i/n, so S and |y| scale by 1/n (the underflow term stays unscaled: safe).
     bound, values = sum_error_bound(s / n, ymag / n, n, summ, prec.out, ms.mode, ms.lam,
+                                    exact_products=conversion_exact(prec.storage, summ.accum),
                                     extra_depths={summ.final_fmt: 1})
     values["precision"] = prec.describe()
     return Bound(abs=bound, mode=ms.mode, failure_probability=ms.failure_probability, magnitude=ymag / n,

@@ -2,49 +2,103 @@ r"""Summation, the kernel of every reduction, dot product and matmul.
 
 Computation model
 -----------------
-A sum of ``n`` terms is evaluated by a tree of additions. Every node ``v`` of the tree
-rounds its exact result to a format ``f(v)``: ``s_hat_v = (s_hat'_v)(1 + delta_v)`` with
-``|delta_v| <= u_f(v)``, where ``s_hat'_v`` is the sum of the node's computed children.
-A :class:`Summation` states the tree: the accumulation format, the algorithm
+A sum of ``n`` terms is evaluated by a binary tree of additions. Every node ``v`` of
+the tree rounds its exact result to a format ``f(v)``: ``s_hat_v = (s_hat'_v)(1 + delta_v)``
+with ``|delta_v| <= u_f(v)``, where ``s_hat'_v`` is the sum of the node's computed children
+(for a leaf: the product ``a_k b_k`` of a dot product, when it is rounded). A
+:class:`Summation` states the tree: the accumulation format, the algorithm
 (``recursive``: a left-to-right chain, also FMA-based dot products; ``pairwise``;
 ``blocked(b)``: chains of ``b`` then a chain of block sums) and an optional split of the
 terms into ``split`` contiguous parts (split-K, tensor parallelism) whose partial sums
 are rounded to ``reduce_fmt`` and reduced by a chain (``recursive``, e.g. a ring
 all-reduce) or a tree (``pairwise``).
 
-The exact identity (by induction over the tree)::
+What a model covers. The error bound depends on the tree only through ``d_f``, the
+largest number of roundings in format ``f`` on one root-to-leaf path. So a model covers
+*every* computation whose paths have at most ``d_f`` roundings in each format, whatever
+its order: ``recursive`` over ``n`` terms (height ``n - 1``, the largest of any binary
+tree with ``n`` leaves) is valid for any summation order, hence the safe default for a
+kernel whose order is unknown (MKL, cuBLAS). The order matters only when two
+computations are compared (:func:`sum_difference_bound`): rounding errors can be shared
+and cancel only if the trees are really known, which :attr:`Summation.known_order`
+asserts.
+
+The exact identity (by induction over the tree: the error of a node is the error of its
+children plus its own rounding)::
 
     computed - exact = sum_v delta_v * s_hat'_v                                  (1)
 
-with ``|s_hat'_v| <= (1 + theta) S_v`` where ``S_v`` is the sum of ``|x_i|`` under ``v``
-and ``theta`` the deterministic relative bound below. Nodes at equal depth have
-disjoint subtrees, so grouping the nodes of one format ``f`` by depth gives
-``sum_{v in f} S_v <= d_f S`` and ``sum_{v in f} S_v^2 <= d_f S^2`` with ``d_f`` the
-number of such levels ("depth in format f") and ``S = sum |x_i|``. Hence
+with ``|s_hat'_v| <= (1 + theta) S_v``, where ``S_v`` is the sum of ``|x_i|`` under ``v``
+and ``theta`` the deterministic relative bound below. An *antichain* of nodes (no node
+an ancestor of another) has disjoint subtrees, so ``sum_{v in antichain} S_v <= S`` and
+``sum S_v**2 <= S**2`` with ``S = sum |x_i|``. By Mirsky's theorem (the dual of Dilworth's)
+the nodes of format ``f`` split into ``d_f`` antichains, ``d_f`` being the longest chain of
+``f``-nodes, i.e. the largest number of ``f``-roundings on one root-to-leaf path. Hence
 
-* deterministic:  ``|err| <= (1 + theta) * (sum_f d_f u_f) * S + underflow`` and also
-  ``|err| <= theta * S`` with ``theta = prod_f (1 + u_f)**d_f - 1`` (Higham 2002, Lemma 3.1,
-  §4.2 / §3.1; the smaller of the two is used: ``theta`` itself);
-* probabilistic: the terms of (1) form a martingale when the ``delta_v`` are
-  mean-independent (Higham & Mary 2019 model; Connolly, Higham & Mary 2021), each bounded
-  by ``u_f S_v (1 + theta)``; Azuma-Hoeffding gives, with probability at least
-  ``1 - 2 exp(-lambda**2 / 2)``,
-  ``|err| <= lambda (1 + theta) sqrt(sum_f d_f u_f**2) * S + underflow``.
+* deterministic: ``|err| <= theta * S`` with ``theta = prod_f (1 + u_f)**d_f - 1`` (every
+  term is multiplied by the roundings on its path: Higham 2002, Lemma 3.1, §3.1, §4.2),
+  which is at most the first-order form ``(1 + theta) (sum_f d_f u_f) S``;
+* probabilistic: in evaluation order the terms of (1) form a martingale when the
+  ``delta_v`` are mean-independent (the model of Higham & Mary 2019; Connolly, Higham &
+  Mary 2021), each bounded by ``c_v = u_f (1 + theta) S_v``; Azuma-Hoeffding gives, with
+  probability at least ``1 - 2 exp(-lambda**2 / 2)``,
+  ``|err| <= lambda sqrt(sum_v c_v**2) <= lambda (1 + theta) sqrt(sum_f d_f u_f**2) * S``.
 
-Rounding below the normal range is absolute, not relative: each rounding may add
-``eta_f = fmt.subnormal_abs_error``; the bound adds ``sum_f n_f eta_f`` with ``n_f`` the
-number of roundings in format ``f`` on the way to one output (at most ``n`` per level).
+Underflow. Below the normal range a rounding is ``fl(z) = z (1 + delta) + eta`` with
+``|eta| <= eta_f = fmt.subnormal_abs_error``. The sum of two numbers of format ``f`` is
+exact when it is subnormal (Hauser 1996; Higham 2002, §2.1), so ``eta`` arises only where
+a node's operands are not both in its format: the rounding (or fused use) of each of
+the ``n`` products/terms, the conversion of each partial sum to ``reduce_fmt``, and extra
+levels such as a mean's division. The bound adds ``sum_f r_f eta_f`` with ``r_f`` those
+counts (:meth:`Summation.roundings`; an addition is counted too when the algorithm's
+operands are, conservatively, not assumed to share its format).
+
+Two stages (split sums, and levels applied to the whole sum)
+------------------------------------------------------------
+With ``split = k`` parts the computed sum is the reduction of the computed partial sums
+``p_hat_i`` (exact: ``p_i``). Each ``p_hat_i`` is within ``theta_in S_i`` of ``p_i``, so
+``sum_i |p_hat_i| <= T_hat = T + theta_in S`` with ``T = sum_i |p_i|``, and the reduction
+(conversion to ``reduce_fmt``, reduce tree, then any ``extra_depths`` such as a mean's
+division) is a sum of the ``p_hat_i``: its nodes satisfy (1) with ``T_hat`` in place of
+``S`` (its antichains have ``sum |s_hat'_v| <= (1 + theta_out) T_hat``). Hence
+
+* deterministic: ``|err| <= theta_in S + theta_out T_hat``;
+* probabilistic (one martingale over both stages):
+  ``|err| <= lambda sqrt((1+theta_in)**2 s_in**2 S**2 + (1+theta_out)**2 s_out**2 T_hat**2)``
+  with ``s**2 = sum_f d_f u_f**2`` over the stage's levels.
+
+``T <= S`` always (``T = S`` recovers the single-stage bounds above); ``T = |exact sum|``
+for one part. A caller that can bound ``T`` (a matmul: ``sum_i |A_i B_i|`` from ``k``
+partial products, the cost of one more matmul in total) makes the reduction levels scale
+with the partial sums, not with ``S``: for random-sign data ``T ~ sqrt(k n)`` versus
+``S ~ n``, which is what makes a split-K / tensor-parallel bf16 reduction bound tight.
 
 Difference of two models
 ------------------------
-Two computations of the same sum whose trees share nodes (same operands, same order,
-same format: identical rounding errors) differ by (1) summed over the *unshared* nodes
-only, exactly: ``err_a - err_b = sum_{v in A\shared} delta_v s'_v - sum_{v in B\shared} ...``.
-Deterministic: ``(1+theta)(sum_f (d'_a,f + d'_b,f) u_f) S``; probabilistic: Azuma over
-the union of unshared nodes: ``lambda (1+theta) sqrt(sum_f (d'_a,f + d'_b,f) u_f^2) S``
-(quadrature instead of the sum of two worst cases). Sharing is recognised for identical
-models (difference 0) and for a recursive chain split into ``k`` contiguous parts versus
-the unsplit chain in the same format (the first part's chain is shared).
+Two computations of the same sum ``a`` and ``b`` differ, by (1), by
+``err_a - err_b = sum_{v in A} delta_v s'_v - sum_{v in B} delta_v s'_v``. Nodes that are
+the same operation in both (same operands, same order, same format) have identical
+``delta_v s'_v`` and cancel exactly; this requires both trees to be known
+(``known_order=True`` on both models; an emulation, a documented kernel). With ``d'_a``,
+``d'_b`` the per-format chain lengths of the *unshared* nodes:
+
+* deterministic: the smaller of ``bound_a + bound_b`` (triangle inequality through the
+  exact sum) and the unshared part of (1), ``sum_{side, stage} (1+theta) c(d') M`` with
+  ``c(d) = sum_f d_f u_f`` and ``M`` the stage's magnitude (``S`` or ``T_hat``);
+* probabilistic: one martingale over the unshared nodes of both computations (the
+  Higham-Mary model makes the roundings of both runs mean-independent), Azuma-Hoeffding:
+  ``lambda sqrt(sum_{side, stage} ((1+theta) M)**2 sum_f d'_f u_f**2)``: quadrature instead
+  of the sum of two worst cases. This holds for unknown orders too (nothing shared).
+
+Shared nodes recognised (both ``known_order``): identical models share every node
+(difference 0, the computations are bitwise equal); the same inner trees (format,
+algorithm, part size) share every inner node; the same accumulation format shares the
+rounded products; a recursive chain split into ``k`` contiguous parts shares the first
+part's chain with the unsplit chain. Without a known order nothing is shared, not even
+between two computations of the same model: a real kernel's order can depend on the
+shapes and memory layout (MKL's fp32 GEMM gives different bits for ``(A @ B)[:, :1]`` and
+``A @ B[:, :1]``, see ``tests/test_bounds_matmul.py``), so two "identical" models of
+unknown order are two independent computations.
 """
 from __future__ import annotations
 
@@ -61,6 +115,15 @@ ALGORITHMS = ("recursive", "pairwise", "blocked")
 
 Depths = dict[FloatFormat, int]
 
+
+def _merge(*ds: Depths) -> Depths:
+    out: Depths = {}
+    for d in ds:
+        for f, k in d.items():
+            if k > 0:
+                out[f] = out.get(f, 0) + k
+    return out
+
 __all__ = [
     "Summation",
     "tree_height",
@@ -71,7 +134,11 @@ __all__ = [
     "conversion_exact",
     "output_rounding",
     "accumulation_terms",
+    "underflow_term",
     "difference_depths",
+    "unshared_depths",
+    "sum_error_bound",
+    "sum_difference_bound",
 ]
 
 
@@ -95,9 +162,9 @@ class Summation:
 
     Args:
         accum: accumulation format (fp32 for CPU bf16 GEMMs and most GPU kernels).
-        algorithm: ``"recursive"`` (left-to-right, FMA chains; the worst case for any
-            order, so the safe default for a kernel whose order is unknown),
-            ``"pairwise"`` or ``"blocked"``.
+        algorithm: ``"recursive"`` (left-to-right, FMA chains; its height ``n-1`` is the
+            largest of any order, so it is the safe model of a kernel whose order is
+            unknown), ``"pairwise"`` or ``"blocked"``.
         block: block length for ``"blocked"``.
         split: number of contiguous parts the terms are split into (split-K, tensor
             parallel row-parallel linear). Each part is summed with ``algorithm`` in ``accum``.
@@ -105,6 +172,11 @@ class Summation:
             gloo bf16 all-reduce); ``None`` means ``accum``.
         reduce_algorithm: how the ``split`` partials are combined: ``"recursive"`` (ring /
             sequential) or ``"pairwise"`` (tree).
+        known_order: ``True`` asserts that the computation evaluates exactly this tree in
+            this order (an emulation, a kernel whose order is documented). Only then may
+            :func:`sum_difference_bound` cancel roundings shared with another model.
+            ``False`` (default): the model only bounds the depths of an unknown tree,
+            which is all the error bound of a single computation needs.
     """
 
     accum: FloatFormat = get_format("fp32")
@@ -113,6 +185,7 @@ class Summation:
     split: int = 1
     reduce_fmt: FloatFormat | None = None
     reduce_algorithm: Algorithm = "recursive"
+    known_order: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "accum", get_format(self.accum))
@@ -132,33 +205,54 @@ class Summation:
     def part_size(self, n: int) -> int:
         return math.ceil(n / self.split)
 
-    def depths(self, n: int, exact_products: bool = True) -> Depths:
-        """Levels of roundings per format (``d_f``) for an ``n``-term sum.
+    def parts(self, n: int) -> int:
+        """Number of non-empty parts of ``ceil(n / split)`` terms."""
+        return math.ceil(n / self.part_size(n)) if n > 0 else 0
 
-        ``exact_products=False`` adds one level for rounding the products of a dot
-        product (e.g. fp32 inputs accumulated in fp32)."""
-        d: Depths = {}
+    def inner_depths(self, n: int, exact_products: bool = True) -> Depths:
+        """Largest number of roundings per format on one path inside a part (all ``n`` terms
+        when ``split == 1``): the part's tree in ``accum``, plus one level for rounding the
+        terms into ``accum`` when ``exact_products=False`` (the products of a dot product,
+        e.g. fp32 inputs accumulated in fp32)."""
         inner = tree_height(self.part_size(n), self.algorithm, self.block) + (0 if exact_products else 1)
-        if inner:
-            d[self.accum] = inner
-        if self.split > 1 and n > 1:
-            rf = self.reduce_fmt or self.accum
-            outer = tree_height(min(self.split, n), self.reduce_algorithm, self.block)
-            outer += int(not conversion_exact(self.accum, rf))  # partials rounded to rf
-            if outer:
-                d[rf] = d.get(rf, 0) + outer
-        return d
+        return {self.accum: inner} if inner else {}
 
-    def roundings(self, n: int, exact_products: bool = True) -> Depths:
-        """Upper bound on the number of roundings per format along one output's tree (for
-        the underflow term): ``n`` per level at most."""
-        return {f: k * n for f, k in self.depths(n, exact_products).items()}
+    def outer_depths(self, n: int) -> Depths:
+        """Largest number of roundings per format on one path of the reduction of the
+        partial sums: their conversion to ``reduce_fmt`` (when inexact) and the reduce tree."""
+        if self.split == 1 or n <= 1:
+            return {}
+        rf = self.reduce_fmt or self.accum
+        outer = tree_height(self.parts(n), self.reduce_algorithm, self.block)
+        outer += int(not conversion_exact(self.accum, rf))
+        return {rf: outer} if outer else {}
+
+    def depths(self, n: int, exact_products: bool = True) -> Depths:
+        """``d_f``: largest number of roundings per format on one root-to-leaf path of an
+        ``n``-term sum (inner and outer levels together)."""
+        return _merge(self.inner_depths(n, exact_products), self.outer_depths(n))
+
+    def roundings(self, n: int) -> Depths:
+        """Per format, the number of roundings of one output's tree that can underflow with
+        an absolute error (see the module docstring): the ``n`` terms' rounding into
+        ``accum`` (counted even for products exact in precision: they can underflow) and
+        the conversion of each partial sum to ``reduce_fmt``. Additions of two numbers of
+        the node's format are exact when subnormal and are not counted."""
+        if n <= 0:
+            return {}
+        r: Depths = {self.accum: n}
+        rf = self.reduce_fmt or self.accum
+        if self.parts(n) > 1 and not conversion_exact(self.accum, rf):
+            r[rf] = r.get(rf, 0) + self.parts(n)
+        return r
 
     def describe(self) -> str:
         s = f"{self.algorithm}" + (f"(b={self.block})" if self.algorithm == "blocked" else "")
         s += f" in {self.accum}"
         if self.split > 1:
             s += f", split into {self.split} parts reduced {self.reduce_algorithm} in {self.reduce_fmt or self.accum}"
+        if self.known_order:
+            s += ", known order"
         return s
 
 
@@ -191,6 +285,7 @@ def sigma_coefficient(depths: Depths) -> float:
 
 
 def underflow_term(roundings: Depths) -> float:
+    """``sum_f r_f eta_f``: absolute error of ``r_f`` roundings below the normal range."""
     return sum(k * f.subnormal_abs_error for f, k in roundings.items())
 
 
@@ -214,76 +309,134 @@ def output_rounding(magnitude_upper: torch.Tensor, last: FloatFormat, out: Float
     return half_ulp(magnitude_upper, out)
 
 
-def _shared_prefix(a: Summation, b: Summation, n: int) -> int:
-    """Levels of the unsplit chain shared with the first part of a split chain (0 if none)."""
-    if a.algorithm != "recursive" or b.algorithm != "recursive" or a.accum != b.accum:
-        return 0
-    if a.split > 1 and b.split == 1:
-        return max(0, tree_height(a.part_size(n), "recursive"))
+@dataclass(frozen=True)
+class _Stage:
+    """Rounding levels acting on one kind of operands (see "Two stages" in the module
+    docstring): ``depths`` (longest chain of them per format), ``theta`` (``|s'_v| <=
+    (1 + theta) M_v``) and ``magnitude`` (``M``: a bound on ``sum M_v`` over an antichain)."""
+
+    depths: Depths
+    theta: float
+    magnitude: torch.Tensor
+
+    def linear(self, depths: Depths) -> torch.Tensor:
+        """``(1 + theta) (sum_f d_f u_f) M``: deterministic bound of levels ``depths`` of this stage."""
+        return (1.0 + self.theta) * linear_coefficient(depths) * self.magnitude
+
+    def variance(self, depths: Depths) -> torch.Tensor:
+        """``((1 + theta) M)**2 sum_f d_f u_f**2``: Azuma-Hoeffding variance proxy of ``depths``."""
+        return ((1.0 + self.theta) * self.magnitude) ** 2 * sigma_coefficient(depths) ** 2
+
+
+def _stages(s: Summation, n: int, exact_products: bool, abs_sum: torch.Tensor, magnitude: torch.Tensor,
+            partial_abs_sum: torch.Tensor | None, extra_depths: Depths | None) -> tuple[_Stage, _Stage]:
+    """The inner stage (the parts' trees, on ``S``) and the outer stage (conversion and
+    reduction of the partials, then ``extra_depths``, on ``T_hat = T + theta_in S``), where
+    ``T`` bounds ``sum_i |p_i|`` over the exact partial sums: ``|exact sum|`` when there is
+    one part, ``partial_abs_sum`` when given, else ``S``."""
+    din = s.inner_depths(n, exact_products)
+    dout = _merge(s.outer_depths(n), extra_depths or {})
+    th_in = theta(din)
+    if s.parts(n) <= 1:
+        t = torch.minimum(magnitude, abs_sum)
+    elif partial_abs_sum is not None:
+        t = torch.minimum(partial_abs_sum, abs_sum)
+    else:
+        t = abs_sum
+    return _Stage(din, th_in, abs_sum), _Stage(dout, theta(dout), t + th_in * abs_sum)
+
+
+def _deterministic(inner: _Stage, outer: _Stage) -> torch.Tensor:
+    """``theta_in S + theta_out T_hat`` (module docstring, "Two stages")."""
+    return inner.theta * inner.magnitude + outer.theta * outer.magnitude
+
+
+def _shared_chain(split: Summation, whole: Summation, n: int) -> int:
+    """Levels of the unsplit recursive chain ``whole`` shared with the first part of the
+    split chain ``split`` (same format, both orders known); 0 if none."""
+    if (split.split > 1 and whole.split == 1 and split.algorithm == whole.algorithm == "recursive"
+            and split.accum == whole.accum and split.known_order and whole.known_order):
+        return tree_height(split.part_size(n), "recursive")
     return 0
 
 
-def difference_depths(a: Summation, b: Summation, n: int, exact_products: bool = True) -> Depths:
-    """Levels per format of the *unshared* nodes of two models of the same ``n``-term sum
-    (see the module docstring). Identical models share every node: ``{}``."""
+def _same_inner_trees(a: Summation, b: Summation, n: int) -> bool:
+    return (a.accum == b.accum and a.algorithm == b.algorithm and a.part_size(n) == b.part_size(n)
+            and (a.algorithm != "blocked" or a.block == b.block))
+
+
+def unshared_depths(a: Summation, b: Summation, n: int, exact_products: bool = True
+                    ) -> tuple[tuple[Depths, Depths], tuple[Depths, Depths]]:
+    """``((inner'_a, outer'_a), (inner'_b, outer'_b))``: per stage and format, the longest
+    chain of nodes of each computation that the other does not perform identically (module
+    docstring, "Difference of two models"). Nothing is shared unless both orders are known."""
+    ia, oa = dict(a.inner_depths(n, exact_products)), a.outer_depths(n)
+    ib, ob = dict(b.inner_depths(n, exact_products)), b.outer_depths(n)
+    if not (a.known_order and b.known_order):
+        return (ia, oa), (ib, ob)
     if a == b:
-        return {}
-    shared = _shared_prefix(a, b, n) or _shared_prefix(b, a, n)
-    da, db = a.depths(n, exact_products), b.depths(n, exact_products)
-    if shared:
-        split, whole = (a, b) if a.split > 1 else (b, a)
-        ds, dw = (da, db) if split is a else (db, da)
-        # the chain of `whole` loses its first `shared` levels; the split's inner parts
-        # 2..k keep theirs (grouped by depth they still need `shared` levels), so only
-        # the whole-chain side shrinks.
-        dw = dict(dw)
-        dw[whole.accum] = dw.get(whole.accum, 0) - shared
-        da, db = (ds, dw) if split is a else (dw, ds)
-    out: Depths = {}
-    for d in (da, db):
-        for f, k in d.items():
-            if k > 0:
-                out[f] = out.get(f, 0) + k
-    return out
+        return ({}, {}), ({}, {})
+    if _same_inner_trees(a, b, n):
+        return ({}, oa), ({}, ob)
+    if not exact_products and a.accum == b.accum:
+        # the n products are rounded identically in both: that level is shared
+        ia[a.accum] -= 1
+        ib[b.accum] -= 1
+    # The unsplit chain loses its first `shared` levels (they are the split's first part);
+    # parts 2..k of the split are not shared and are as long, so the split side keeps them.
+    for split, whole, dw in ((a, b, ib), (b, a, ia)):
+        shared = _shared_chain(split, whole, n)
+        if shared:
+            dw[whole.accum] -= shared
+    return (_merge(ia), oa), (_merge(ib), ob)
+
+
+def difference_depths(a: Summation, b: Summation, n: int, exact_products: bool = True) -> Depths:
+    """Per format, the unshared levels of both computations together (all stages)."""
+    (ia, oa), (ib, ob) = unshared_depths(a, b, n, exact_products)
+    return _merge(ia, oa, ib, ob)
 
 
 def with_accum(s: Summation, accum: "FloatFormat | str") -> Summation:
     return replace(s, accum=get_format(accum))
 
 
-def _coef_text(mode: str) -> str:
-    if mode == "deterministic":
-        return "theta = prod_f (1+u_f)^d_f - 1"
-    return "min(theta, lambda (1+theta) sqrt(sum_f d_f u_f^2))"
-
-
 def sum_error_bound(abs_sum: torch.Tensor, magnitude: torch.Tensor, n: int, summation: Summation,
                     out_fmt: FloatFormat, mode: str, lam: float, exact_products: bool = True,
-                    extra_depths: Depths | None = None) -> tuple[torch.Tensor, dict]:
+                    extra_depths: Depths | None = None, partial_abs_sum: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, dict]:
     """Elementwise bound on ``|fl_out(computed sum) - exact sum|`` from the sum's statistics.
 
     Args:
         abs_sum: ``S = sum |x_i|`` per output (an upper bound is fine), float64.
         magnitude: an upper bound on ``|exact sum|`` per output, float64.
         n: number of terms.
-        extra_depths: further rounding levels whose subtree is the whole sum (e.g. the
-            division of a mean, ``{compute_fmt: 1}``).
+        exact_products: the terms are exact in ``summation.accum`` (else one more level).
+        extra_depths: further rounding levels applied to the whole computed sum (e.g. the
+            division of a mean, ``{compute_fmt: 1}``); each may also underflow once.
+        partial_abs_sum: with ``summation.split > 1``, an upper bound on ``T = sum_i |p_i|``
+            over the exact partial sums of the parts (tightens the reduction levels).
     Returns ``(abs_bound, values)``; ``values`` are the plugged-in constants for explanations.
 
-    Bound: ``acc = coef * S + eta`` (see :func:`accumulation_terms`), plus the rounding of
-    the result to ``out_fmt``: ``half_ulp_out(magnitude + acc)`` (the computed sum is within
-    ``acc`` of the exact one, and ``half_ulp`` is monotone).
+    Bound (module docstring, "Two stages"): ``acc = theta_in S + theta_out T_hat + eta``,
+    probabilistic ``min(that, lambda sqrt((1+theta_in)^2 s_in^2 S^2 + (1+theta_out)^2 s_out^2
+    T_hat^2) + eta)`` with ``s^2 = sum_f d_f u_f^2``; plus the rounding of the result to
+    ``out_fmt``: ``half_ulp_out(magnitude + acc)`` (the computed sum is within ``acc`` of the
+    exact one, and ``half_ulp`` is monotone).
     """
-    depths = dict(summation.depths(n, exact_products))
-    roundings = dict(summation.roundings(n, exact_products))
-    for f, k in (extra_depths or {}).items():
-        depths[f] = depths.get(f, 0) + k
-        roundings[f] = roundings.get(f, 0) + k
-    coef, eta = accumulation_terms(depths, roundings, mode, lam)
-    acc = coef * abs_sum + eta
+    inner, outer = _stages(summation, n, exact_products, abs_sum, magnitude, partial_abs_sum, extra_depths)
+    roundings = _merge(summation.roundings(n), extra_depths or {})
+    eta = underflow_term(roundings)
+    acc = _deterministic(inner, outer)
+    if mode == "probabilistic":
+        acc = torch.minimum(acc, lam * torch.sqrt(inner.variance(inner.depths) + outer.variance(outer.depths)))
+    acc = acc + eta
     out = output_rounding(magnitude + acc, summation.final_fmt, out_fmt)
-    values = {"n": n, "summation": summation.describe(), "depths": {str(f): d for f, d in depths.items()},
-              "coef": coef, "output": str(out_fmt)}
+    values = {"n": n, "summation": summation.describe(),
+              "depths": {str(f): d for f, d in _merge(inner.depths, outer.depths).items()},
+              "theta_inner": inner.theta, "theta_outer": outer.theta, "eta": eta, "output": str(out_fmt)}
+    if partial_abs_sum is not None:
+        values["T"] = "sum_i |partial_i|"
     if mode == "probabilistic":
         values["lambda"] = lam
     return acc + out, values
@@ -291,30 +444,33 @@ def sum_error_bound(abs_sum: torch.Tensor, magnitude: torch.Tensor, n: int, summ
 
 def sum_difference_bound(abs_sum: torch.Tensor, magnitude: torch.Tensor, n: int,
                          a: Summation, b: Summation, out_a: FloatFormat, out_b: FloatFormat,
-                         mode: str, lam: float, exact_products: bool = True) -> tuple[torch.Tensor, dict]:
+                         mode: str, lam: float, exact_products: bool = True,
+                         partial_abs_sum_a: torch.Tensor | None = None,
+                         partial_abs_sum_b: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Elementwise bound on ``|result_a - result_b|`` for two computation models of one sum.
 
-    ``(1+theta_max) * c(d') * S + eta_a + eta_b + out_a + out_b`` where ``d'`` are the levels
-    of the unshared nodes (:func:`difference_depths`), ``c = sum d u`` (deterministic) or
-    ``lambda sqrt(sum d u^2)`` (probabilistic, one martingale over both computations), and
-    ``out_*`` the two output roundings. Identical models give 0.
+    ``acc + eta_a + eta_b + out_a + out_b`` with, from the unshared levels of each stage
+    (:func:`unshared_depths`; module docstring): deterministic ``acc = min(bound_a + bound_b,
+    sum_{sides, stages} (1+theta) c(d') M)``, ``c(d) = sum d u``; probabilistic also
+    ``lambda sqrt(sum_{sides, stages} ((1+theta) M)^2 sum d' u^2)``; ``out_*`` the two output
+    roundings. Identical models of a known order give 0.
     """
-    if a == b and out_a == out_b:
-        return torch.zeros_like(abs_sum), {"n": n, "note": "identical computation models are bitwise equal"}
-    da, db = a.depths(n, exact_products), b.depths(n, exact_products)
-    dd = difference_depths(a, b, n, exact_products)
-    th = max(theta(da), theta(db))
-    if mode == "deterministic":
-        coef = (1.0 + th) * linear_coefficient(dd)
-    else:
-        coef = min((1.0 + th) * linear_coefficient(dd), lam * (1.0 + th) * sigma_coefficient(dd))
-    eta = underflow_term(a.roundings(n, exact_products)) + underflow_term(b.roundings(n, exact_products))
-    acc = coef * abs_sum + eta
-    ca, _ = accumulation_terms(da, {}, "deterministic", lam)
-    cb, _ = accumulation_terms(db, {}, "deterministic", lam)
-    out = (output_rounding(magnitude + ca * abs_sum + eta, a.final_fmt, out_a)
-           + output_rounding(magnitude + cb * abs_sum + eta, b.final_fmt, out_b))
+    if a == b and a.known_order and out_a == out_b:
+        return torch.zeros_like(abs_sum), {"n": n, "note": "identical computations (same known tree) are bitwise equal"}
+    sa = _stages(a, n, exact_products, abs_sum, magnitude, partial_abs_sum_a, None)
+    sb = _stages(b, n, exact_products, abs_sum, magnitude, partial_abs_sum_b, None)
+    unshared = unshared_depths(a, b, n, exact_products)
+    det_a, det_b = _deterministic(*sa), _deterministic(*sb)
+    pairs = [(st, d) for stages, ds in zip((sa, sb), unshared) for st, d in zip(stages, ds)]
+    acc = torch.minimum(det_a + det_b, sum(st.linear(d) for st, d in pairs))
+    if mode == "probabilistic":
+        acc = torch.minimum(acc, lam * torch.sqrt(sum(st.variance(d) for st, d in pairs)))
+    eta_a, eta_b = underflow_term(a.roundings(n)), underflow_term(b.roundings(n))
+    out = (output_rounding(magnitude + det_a + eta_a, a.final_fmt, out_a)
+           + output_rounding(magnitude + det_b + eta_b, b.final_fmt, out_b))
     values = {"n": n, "model_a": a.describe(), "model_b": b.describe(),
-              "unshared_depths": {str(f): k for f, k in dd.items()}, "coef": coef,
+              "unshared_depths": {str(f): k for f, k in difference_depths(a, b, n, exact_products).items()},
               "outputs": f"{out_a} / {out_b}"}
-    return acc + out, values
+    if mode == "probabilistic":
+        values["lambda"] = lam
+    return acc + eta_a + eta_b + out, values

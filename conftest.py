@@ -1,0 +1,1 @@
+# Repository-root conftest: makes `examples` and `bench` importable from tests.

@@ -1,0 +1,124 @@
+"""Recognise a torch function call as one of the modelled ops.
+
+:func:`classify` is the single table that maps torch functions to the library's op names,
+their inputs and keyword arguments, and their propagation rule. Both the analytic error
+shadow (:mod:`.shadow`) and the empirical noise injector (:mod:`.noise`) use it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from . import jacobian as J
+
+__all__ = ["OpCall", "classify", "STRUCTURAL"]
+
+Getter = Callable[[Any], "torch.Tensor | None"]
+
+STRUCTURAL = {
+    torch.Tensor.reshape, torch.reshape, torch.Tensor.view, torch.Tensor.transpose, torch.transpose,
+    torch.Tensor.permute, torch.permute, torch.Tensor.contiguous, torch.Tensor.__getitem__,
+    torch.Tensor.split, torch.split, torch.Tensor.chunk, torch.chunk, torch.Tensor.unbind, torch.unbind,
+    torch.Tensor.flatten, torch.flatten, torch.Tensor.unflatten, torch.Tensor.squeeze, torch.squeeze,
+    torch.Tensor.unsqueeze, torch.unsqueeze, torch.Tensor.expand, torch.Tensor.expand_as, torch.cat,
+    torch.concat, torch.stack, torch.Tensor.narrow, torch.narrow, torch.Tensor.t, torch.t,
+    torch.Tensor.clone, torch.clone, torch.Tensor.detach, torch.Tensor.repeat_interleave,
+    torch.repeat_interleave, torch.Tensor.repeat,
+}
+_MATMUL = {torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.bmm, torch.mm, torch.Tensor.bmm, torch.Tensor.mm}
+_SOFTMAX = {torch.softmax, F.softmax, torch.Tensor.softmax}
+_ADD = {torch.add, torch.Tensor.add, torch.Tensor.__add__, torch.Tensor.__radd__,
+        torch.sub, torch.Tensor.sub, torch.Tensor.__sub__, torch.Tensor.__rsub__}
+_MUL = {torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__}
+_DIV = {torch.div, torch.Tensor.div, torch.Tensor.__truediv__}
+_CASTS = {torch.Tensor.to, torch.Tensor.float, torch.Tensor.bfloat16, torch.Tensor.half, torch.Tensor.double,
+          torch.Tensor.type_as}
+_MASKED_FILL = {torch.Tensor.masked_fill, torch.masked_fill}
+
+
+def _arg(args: tuple, kwargs: dict, i: int, name: str, default: Any = None) -> Any:
+    return args[i] if len(args) > i else kwargs.get(name, default)
+
+
+@dataclass
+class OpCall:
+    """A recognised call.
+
+    ``kind``: ``"op"`` (a registered error model: ``op``, ``inputs``, ``kwargs`` go to
+    :func:`ttrace_num.tolerance`), ``"rounding"`` (an elementwise result rounded once into
+    the output format: scalar add/mul, elementwise mul, casts; ``exact`` when it cannot
+    round), ``"structural"`` (exact; apply the same call to the shadows) or ``"masked_fill"``.
+    ``propagate(get, out)`` returns ``|J| v`` given the shadow getter.
+    """
+
+    kind: str
+    op: str
+    inputs: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    propagate: Callable[[Getter, Any], Any] | None = None
+    exact: bool = False
+
+
+def _pow2(c: float) -> bool:
+    return c != 0 and math.isfinite(c) and math.frexp(abs(c))[0] == 0.5
+
+
+def classify(func: Callable, args: tuple, kwargs: dict) -> OpCall | None:
+    """The :class:`OpCall` for ``func(*args, **kwargs)``, or None if it is not modelled."""
+    if func in STRUCTURAL:
+        return OpCall("structural", "view")
+    if func in _MASKED_FILL:
+        return OpCall("masked_fill", "masked_fill", kwargs={"mask": _arg(args, kwargs, 1, "mask")})
+    if func is F.linear:
+        x, w, b = args[0], args[1], _arg(args, kwargs, 2, "bias")
+        return OpCall("op", "linear", (x, w) + ((b,) if b is not None else ()), {},
+                      lambda g, out: J.linear(x, w, g(x), g(w), g(b)))
+    if func in _MATMUL:
+        a, b = args[0], args[1]
+        return OpCall("op", "matmul", (a, b), {}, lambda g, out: J.matmul(a, b, g(a), g(b)))
+    if func in _SOFTMAX:
+        x, dim = args[0], _arg(args, kwargs, 1, "dim", -1)
+        return OpCall("op", "softmax", (x,), {"dim": dim}, lambda g, out: J.softmax(out, _z(g, x), dim))
+    if func is F.layer_norm:
+        x, shape = args[0], tuple(args[1])
+        w, b, eps = _arg(args, kwargs, 2, "weight"), _arg(args, kwargs, 3, "bias"), _arg(args, kwargs, 4, "eps", 1e-5)
+        return OpCall("op", "layer_norm", (x,), dict(normalized_shape=shape, weight=w, bias=b, eps=eps),
+                      lambda g, out: J.layer_norm(x, shape, w, g(x), g(w), g(b), eps))
+    if getattr(F, "rms_norm", None) is not None and func is F.rms_norm:
+        x, shape = args[0], tuple(args[1])
+        w, eps = _arg(args, kwargs, 2, "weight"), _arg(args, kwargs, 3, "eps")
+        eps = torch.finfo(x.dtype).eps if eps is None else eps
+        return OpCall("op", "rms_norm", (x,), dict(normalized_shape=shape, weight=w, eps=eps),
+                      lambda g, out: J.rms_norm(x, shape, w, g(x), g(w), eps))
+    if func is F.gelu:
+        x, approx = args[0], _arg(args, kwargs, 1, "approximate", "none")
+        return OpCall("op", "gelu", (x,), {"approximate": approx}, lambda g, out: J.gelu(x, _z(g, x), approx))
+    if func is F.silu:
+        x = args[0]
+        return OpCall("op", "silu", (x,), {}, lambda g, out: J.silu(x, _z(g, x)))
+    if func in _ADD or func in _MUL or func in _DIV:
+        x, y = args[0], args[1]
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            if func in _ADD:
+                return OpCall("op", "add", (x, y), {}, lambda g, out: J.add(g(x), g(y)))
+            if func in _MUL:
+                return OpCall("rounding", "mul", (x, y), {}, lambda g, out: J.mul(x, y, g(x), g(y)))
+            return None  # tensor / tensor: no model
+        t, c = (x, y) if isinstance(x, torch.Tensor) else (y, x)
+        if func in _ADD:
+            return OpCall("rounding", "add_scalar", (t,), {}, lambda g, out: g(t))
+        factor = 1.0 / float(c) if func in _DIV else float(c)
+        return OpCall("rounding", "scale", (t,), {}, lambda g, out: J.scale(_z(g, t), factor), exact=_pow2(factor))
+    if func in _CASTS:
+        x = args[0]
+        return OpCall("rounding", "cast", (x,), {}, lambda g, out: g(x))
+    return None
+
+
+def _z(g: Getter, t: torch.Tensor) -> torch.Tensor:
+    v = g(t)
+    return torch.zeros(t.shape, dtype=torch.float64) if v is None else v

@@ -1,0 +1,198 @@
+r"""Empirical propagation: inject noise of each op's local-bound size, measure its effect.
+
+The analytic shadow (:mod:`.shadow`) composes bounds op by op. TTrace's empirical
+alternative (arXiv 2506.09280, §4) runs the trusted computation again with every op's
+output perturbed by a random error as large as that op may legitimately commit, and
+measures how far every tensor moves. This captures how differences really propagate
+(cancellations, saturations, the actual conditioning of the data) at the cost of one
+extra run per sample, and it covers gradients without a backward model per op.
+
+:class:`NoiseInjector` (a ``TorchFunctionMode``) perturbs, for every call recognised by
+:func:`~.calls.classify`:
+
+* the forward output by ``U * b`` with ``U ~ Uniform[-1, 1]`` elementwise and ``b`` the op's
+  local bound (:class:`~.local.LocalBounds`), then rounds back to the output dtype;
+* in backward, the gradient flowing to each differentiable input by ``U * b_grad``:
+  for ``linear``/``matmul`` ``b_grad`` is the matmul bound of the gradient product
+  (``g W`` for the input, ``g^T x`` for the weight, the sum bound for the bias); for the
+  other ops it is one rounding of the gradient (``half_ulp`` of its magnitude, twice for a
+  two-run difference), the error of a result computed in fp32 and stored once, which is
+  how CPU kernels compute the backward of elementwise ops, norms and softmax in bf16.
+
+:func:`measure_propagation` runs a user function clean once and noisy ``samples`` times
+and returns, per named tensor, the largest deviation seen.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+import ttrace_num as tn
+from ..formats import get_format, half_ulp
+from .calls import OpCall, classify
+from .local import LocalBounds, ModelPolicy
+
+__all__ = ["NoiseInjector", "measure_propagation", "Propagation"]
+
+
+class _Slot:
+    g: torch.Tensor | None = None
+
+
+class _CaptureGrad(torch.autograd.Function):
+    """Identity whose backward remembers the gradient of an op's output."""
+
+    @staticmethod
+    def forward(ctx, t, slot):
+        ctx.slot = slot
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.slot.g = g
+        return g, None
+
+
+class _PerturbGrad(torch.autograd.Function):
+    """Identity whose backward adds ``noise_fn(grad)`` to the gradient of an op's input."""
+
+    @staticmethod
+    def forward(ctx, t, noise_fn):
+        ctx.noise_fn = noise_fn
+        return t.view_as(t)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (g.double() + ctx.noise_fn(g)).to(g.dtype), None
+
+
+class NoiseInjector(TorchFunctionMode):
+    """Perturb every modelled op by a random error within its local bound (see module doc).
+
+    Args:
+        generator: source of the noise (reproducibility).
+        mode, failure_probability, policy, against_exact: as for the analytic shadow; they
+            select the local bound of each op.
+        backward: also perturb gradients.
+    """
+
+    def __init__(self, generator: torch.Generator, mode: str = "deterministic",
+                 failure_probability: float | None = None, policy: ModelPolicy | None = None,
+                 against_exact: bool = False, backward: bool = True, module_of: Callable[[], str] | None = None):
+        super().__init__()
+        self.gen = generator
+        self.local = LocalBounds(mode, failure_probability, policy, against_exact)
+        self.backward = backward
+        self.module_of = module_of or (lambda: "")
+        self.perturbed = 0
+
+    def _noise(self, b: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        u = torch.rand(shape, generator=self.gen, dtype=torch.float64) * 2 - 1
+        return u * torch.broadcast_to(b, shape)
+
+    def _grad_rounding(self, g: torch.Tensor) -> torch.Tensor:
+        b = half_ulp(g.detach().double().abs(), get_format(g.dtype))
+        return self._noise(b if self.local.against_exact else 2 * b, g.shape)
+
+    def _grad_noise_fns(self, call: OpCall, slot: _Slot) -> list[Callable[[torch.Tensor], torch.Tensor] | None]:
+        """One noise function per tensor input of ``call`` (None: no backward rounding)."""
+        common = self.local._common()
+        scale = 1.0 if self.local.against_exact else 2.0
+        if call.op in ("linear", "matmul"):
+            x, w = call.inputs[0], call.inputs[1]
+            wt = w if call.op == "linear" else w.transpose(-1, -2)  # grad_x = g @ wt
+
+            def gx(g):
+                return self._noise(scale * tn.tolerance("matmul", slot.g, wt, **common).abs, g.shape)
+
+            def gw(g):
+                go = slot.g.reshape(-1, slot.g.shape[-1])
+                xi = x.reshape(-1, x.shape[-1]).detach()
+                if call.op == "linear":  # grad_W = g^T x, shape (out, in)
+                    b = tn.tolerance("matmul", go.transpose(0, 1), xi, **common).abs
+                else:  # grad_B = A^T g, summed over batch dims
+                    b = tn.tolerance("matmul", x.detach().transpose(-1, -2), slot.g, **common).abs
+                    while b.dim() > g.dim():
+                        b = b.sum(0)
+                    b = torch.broadcast_to(b, g.shape) if b.shape != g.shape else b
+                return self._noise(scale * b.reshape(g.shape), g.shape)
+
+            fns: list = [gx, gw]
+            if len(call.inputs) > 2:
+                fns.append(lambda g: self._noise(scale * tn.tolerance(
+                    "sum", slot.g.reshape(-1, slot.g.shape[-1]), dim=0, **common).abs, g.shape))
+            return fns
+        if call.op in ("add", "add_scalar") or (call.kind == "rounding" and call.exact):
+            return [None] * len(call.inputs)  # gradient passes through exactly
+        return [self._grad_rounding] * len(call.inputs)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        call = classify(func, args, kwargs)
+        if call is None or call.kind in ("structural", "masked_fill") or not any(
+                isinstance(t, torch.Tensor) and t.is_floating_point() for t in call.inputs):
+            return func(*args, **kwargs)
+        slot = _Slot()
+        if self.backward and torch.is_grad_enabled():
+            fns = self._grad_noise_fns(call, slot)
+            args = tuple(_wrap(a, call.inputs, fns) for a in args)
+            call = classify(func, args, kwargs)  # inputs are now the wrapped tensors
+        out = func(*args, **kwargs)
+        b = self.local.of(call, out, self.module_of())
+        noisy = (out.detach().double() + self._noise(b, out.shape)).to(out.dtype)
+        self.perturbed += 1
+        if out.requires_grad:
+            out = out + (noisy - out).detach()
+            if self.backward:
+                out = _CaptureGrad.apply(out, slot)
+            return out
+        return noisy
+
+
+def _wrap(a, inputs: tuple, fns: list):
+    """``a`` wrapped so its gradient gets noise, if it is a differentiable op input."""
+    if not (isinstance(a, torch.Tensor) and a.requires_grad):
+        return a
+    for x, fn in zip(inputs, fns):
+        if x is a and fn is not None:
+            return _PerturbGrad.apply(a, fn)
+    return a
+
+
+@dataclass
+class Propagation:
+    """Largest deviation per named tensor over the noisy samples, and the clean values."""
+
+    deviation: dict[str, torch.Tensor]
+    clean: dict[str, torch.Tensor]
+    samples: int
+    perturbed_ops: int = 0
+    per_sample_max: dict[str, list[float]] = field(default_factory=dict)
+
+
+def measure_propagation(run: Callable[[], dict[str, torch.Tensor]], samples: int = 4, seed: int = 0,
+                        **injector_kwargs) -> Propagation:
+    """Run ``run()`` once clean and ``samples`` times under a :class:`NoiseInjector`.
+
+    ``run`` must be deterministic apart from the injected noise (same weights, same data)
+    and returns the tensors to watch, e.g. ``{"out": y, "grad.fc1.weight": fc1.weight.grad}``.
+    Returns the elementwise max deviation from the clean run per name.
+    """
+    clean = {k: v.detach().double().clone() for k, v in run().items()}
+    dev = {k: torch.zeros_like(v) for k, v in clean.items()}
+    per = {k: [] for k in clean}
+    g = torch.Generator().manual_seed(seed)
+    perturbed = 0
+    for _ in range(samples):
+        inj = NoiseInjector(g, **injector_kwargs)
+        with inj:
+            noisy = run()
+        perturbed = inj.perturbed
+        for k, v in noisy.items():
+            d = (v.detach().double() - clean[k]).abs()
+            dev[k] = torch.maximum(dev[k], d)
+            per[k].append(float(d.max()))
+    return Propagation(dev, clean, samples, perturbed, per)

@@ -1,0 +1,153 @@
+r"""Analytic composition of per-op bounds through a module: the *error shadow*.
+
+:class:`ErrorShadow` is a ``TorchFunctionMode``. While a module runs forward under it, every
+tensor ``t`` produced by a supported op gets a *shadow* ``v(t)``: an elementwise bound on
+the difference between two runs (or between a run and the exact result). For each op::
+
+    v(out) = local(op, inputs) + |J_op| v(inputs)                                   (C)
+
+* ``local``: the op's own rounding: ``ttrace_num.tolerance`` (one run vs exact), or for two
+  runs the difference of their computation models (``ttrace_num.difference``, which cancels
+  shared roundings; for ops whose two models are not known to be bitwise identical the
+  two bounds add: triangle inequality through the exact result);
+* ``|J| v``: first-order propagation of the differences the inputs already carry
+  (:mod:`.jacobian`; exact for bilinear and linear ops, rigorous for softmax and the
+  elementwise activations, first order for the norms).
+
+Structural ops (views, reshapes, transposes, indexing, split/cat, masked_fill...) apply to
+the shadow exactly as to the tensor. Casts to a narrower format add the cast's rounding.
+An op that touches a shadowed tensor and has no rule raises ``NotImplementedError`` naming
+the op and the module it ran in: the result would otherwise be silently wrong.
+
+Probabilistic mode: each local bound holds per element with probability
+``1 - p_elem``; the layer-level statement (every local bound of every element holds) fails
+with probability at most ``p_elem * N`` (union bound, ``N`` = number of elements of all
+op outputs), so :func:`~ttrace_num.propagate.layer.layer_tolerance` sets
+``p_elem = failure_probability / N``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
+
+from .calls import classify
+from .local import LocalBounds, ModelPolicy
+
+__all__ = ["ErrorShadow", "OpRecord", "ModelPolicy"]
+
+
+@dataclass
+class OpRecord:
+    """One op of the traced forward: where it ran and how its bound splits."""
+
+    index: int
+    op: str
+    module: str
+    shape: tuple[int, ...]
+    local_max: float
+    propagated_max: float
+
+    @property
+    def total_max(self) -> float:
+        return self.local_max + self.propagated_max
+
+
+class ErrorShadow(TorchFunctionMode):
+    """Carry an elementwise difference bound beside every tensor of a forward pass.
+
+    Args:
+        mode: ``"deterministic"`` or ``"probabilistic"`` (per-element local bounds).
+        failure_probability: per-element failure probability of each local bound.
+        policy: ``policy(module_path, op)`` returns ``(kwargs_a, kwargs_b, bitwise)`` for ops
+            whose two runs use different computation models (e.g. a tensor-parallel split:
+            ``({}, {"summation": Summation(split=2, reduce_fmt="bf16")}, False)``), or None for
+            "same model, not known to be bitwise identical" (the two bounds add).
+        against_exact: bound one run against the exact result instead of two runs' difference.
+        count_only: only count the elements of op outputs (first pass of layer_tolerance).
+    """
+
+    def __init__(self, mode: str = "deterministic", failure_probability: float | None = None,
+                 policy: ModelPolicy | None = None, against_exact: bool = False, count_only: bool = False):
+        super().__init__()
+        self.local = LocalBounds(mode, failure_probability, policy, against_exact)
+        self.shadow: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self.records: list[OpRecord] = []
+        self.module_stack: list[str] = [""]
+        self.count_only = count_only
+        self.elements = 0
+
+    # ----------------------------------------------------------- public helpers
+    def set(self, t: torch.Tensor, v: torch.Tensor | float = 0.0) -> None:
+        """Declare that ``t`` carries difference ``v`` (default: none)."""
+        self.shadow[t] = torch.broadcast_to(torch.as_tensor(v, dtype=torch.float64), t.shape).clone()
+
+    def get(self, t: Any) -> torch.Tensor | None:
+        if isinstance(t, torch.Tensor):
+            return self.shadow.get(t)
+        return None
+
+    def bound_of(self, t: torch.Tensor) -> torch.Tensor:
+        v = self.get(t)
+        return torch.zeros(t.shape, dtype=torch.float64) if v is None else v
+
+    def _record(self, op: str, out: torch.Tensor, local: torch.Tensor, prop) -> torch.Tensor:
+        prop_t = torch.as_tensor(prop, dtype=torch.float64)
+        v = torch.broadcast_to(local + prop_t, out.shape).clone()
+        self.records.append(OpRecord(len(self.records), op, self.module_stack[-1], tuple(out.shape),
+                                     float(local.max()) if local.numel() else 0.0,
+                                     float(prop_t.max()) if prop_t.numel() else 0.0))
+        self.shadow[out] = v
+        return out
+
+    # ---------------------------------------------------------------- dispatch
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.count_only:
+            if isinstance(out, torch.Tensor) and out.is_floating_point():
+                self.elements += out.numel()
+            return out
+        flat_in = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+        flat_in += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
+        if not any(self.get(t) is not None for t in flat_in):
+            return out  # nothing shadowed flows in (masks, constants, parameters alone)
+        # torch pops this mode while its handler runs, so the rules' own torch calls are plain
+        return self._propagate(func, args, kwargs, out)
+
+    def _propagate(self, func, args, kwargs, out):
+        call = classify(func, args, kwargs)
+        if call is None:
+            raise NotImplementedError(
+                f"ErrorShadow: no error model for {getattr(func, '__qualname__', func)} in module "
+                f"{self.module_stack[-1]!r}; supported: linear, matmul, softmax, layer_norm, rms_norm, gelu, "
+                f"silu, add/sub, mul/div by scalar, elementwise mul, casts, and view-like ops")
+        if call.kind == "structural":
+            sout = func(*[self._sh(a) for a in args], **kwargs)
+            for o, s in zip(_as_tuple(out), _as_tuple(sout)):
+                if isinstance(o, torch.Tensor):
+                    self.shadow[o] = s
+            return out
+        if call.kind == "masked_fill":
+            self.shadow[out] = self._sh(args[0]).masked_fill(call.kwargs["mask"], 0.0)
+            return out
+        if call.op == "cast" and out is args[0]:
+            return out  # .to() of the same dtype returns the tensor itself
+        local = self.local.of(call, out, self.module_stack[-1])
+        prop = call.propagate(self.get, out)
+        return self._record(call.op, out, local, torch.zeros((), dtype=torch.float64) if prop is None else prop)
+
+    def _sh(self, a):
+        if isinstance(a, torch.Tensor):
+            v = self.get(a)
+            return torch.zeros(a.shape, dtype=torch.float64) if v is None else v
+        if isinstance(a, (list, tuple)):
+            return type(a)(self._sh(x) for x in a)
+        return a
+
+
+def _as_tuple(x):
+    return tuple(x) if isinstance(x, (list, tuple)) else (x,)
