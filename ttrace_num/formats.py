@@ -236,10 +236,15 @@ def custom(exponent_bits: int, mantissa_bits: int, bias: int | None = None, *,
     >>> custom(3, 2).u
     0.125
     """
+    defaults = {"ieee": "inf", "fn": "nan", "fnuz": "nan", "none": "saturate", "e8m0": "nan"}
+    if nan_encoding not in defaults:
+        raise ValueError(f"nan_encoding must be one of {sorted(defaults)}, got {nan_encoding!r}")
+    if overflow is None:
+        overflow = defaults[nan_encoding]
+    if overflow not in ("inf", "nan", "saturate"):
+        raise ValueError(f"overflow must be 'inf', 'nan' or 'saturate', got {overflow!r}")
     if bias is None:
         bias = 2 ** (exponent_bits - 1) - 1
-    if overflow is None:
-        overflow = {"ieee": "inf", "fn": "nan", "fnuz": "nan", "none": "saturate", "e8m0": "nan"}[nan_encoding]
     if name is None:
         name = f"custom(e={exponent_bits},m={mantissa_bits},bias={bias},{nan_encoding})"
     return FloatFormat(name=name, exponent_bits=exponent_bits, mantissa_bits=mantissa_bits, bias=bias,
@@ -263,6 +268,8 @@ def _parse_custom(args: str) -> FloatFormat:
             if key in ("nan_encoding", "overflow"):
                 kw[key] = v
             elif key == "subnormals":
+                if v.lower() not in ("1", "true", "yes", "0", "false", "no"):
+                    raise ValueError(f"subnormals must be true or false, got {v!r}")
                 kw[key] = v.lower() in ("1", "true", "yes")
             else:
                 kw[key] = int(v)
