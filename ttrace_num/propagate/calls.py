@@ -52,7 +52,8 @@ class OpCall:
     :func:`ttrace_num.tolerance`), ``"rounding"`` (an elementwise result rounded once into
     the output format: scalar add/mul, elementwise mul, casts; ``exact`` when it cannot
     round), ``"structural"`` (exact; apply the same call to the shadows) or ``"masked_fill"``.
-    ``propagate(get, out)`` returns ``|J| v`` given the shadow getter.
+    ``propagate(get, out)`` returns ``|J| v`` given the shadow getter; ``propagate_sq(get, out)``
+    returns ``sum_j J_ij^2 w_j`` for squared scales ``w`` (quadrature mode).
     """
 
     kind: str
@@ -60,6 +61,7 @@ class OpCall:
     inputs: tuple = ()
     kwargs: dict = field(default_factory=dict)
     propagate: Callable[[Getter, Any], Any] | None = None
+    propagate_sq: Callable[[Getter, Any], Any] | None = None
     exact: bool = False
 
 
@@ -69,53 +71,63 @@ def _pow2(c: float) -> bool:
 
 def classify(func: Callable, args: tuple, kwargs: dict) -> OpCall | None:
     """The :class:`OpCall` for ``func(*args, **kwargs)``, or None if it is not modelled."""
-    if func in STRUCTURAL:
+    if func in STRUCTURAL or getattr(func, "__name__", "") == "__get__":  # views; .T/.mT/.data
         return OpCall("structural", "view")
     if func in _MASKED_FILL:
         return OpCall("masked_fill", "masked_fill", kwargs={"mask": _arg(args, kwargs, 1, "mask")})
     if func is F.linear:
         x, w, b = args[0], args[1], _arg(args, kwargs, 2, "bias")
         return OpCall("op", "linear", (x, w) + ((b,) if b is not None else ()), {},
-                      lambda g, out: J.linear(x, w, g(x), g(w), g(b)))
+                      lambda g, out: J.linear(x, w, g(x), g(w), g(b)),
+                      lambda g, out: J.linear_sq(x, w, g(x), g(w), g(b)))
     if func in _MATMUL:
         a, b = args[0], args[1]
-        return OpCall("op", "matmul", (a, b), {}, lambda g, out: J.matmul(a, b, g(a), g(b)))
+        return OpCall("op", "matmul", (a, b), {}, lambda g, out: J.matmul(a, b, g(a), g(b)),
+                      lambda g, out: J.matmul_sq(a, b, g(a), g(b)))
     if func in _SOFTMAX:
         x, dim = args[0], _arg(args, kwargs, 1, "dim", -1)
-        return OpCall("op", "softmax", (x,), {"dim": dim}, lambda g, out: J.softmax(out, _z(g, x), dim))
+        return OpCall("op", "softmax", (x,), {"dim": dim}, lambda g, out: J.softmax(out, _z(g, x), dim),
+                      lambda g, out: J.softmax_sq(out, _z(g, x), dim))
     if func is F.layer_norm:
         x, shape = args[0], tuple(args[1])
         w, b, eps = _arg(args, kwargs, 2, "weight"), _arg(args, kwargs, 3, "bias"), _arg(args, kwargs, 4, "eps", 1e-5)
         return OpCall("op", "layer_norm", (x,), dict(normalized_shape=shape, weight=w, bias=b, eps=eps),
-                      lambda g, out: J.layer_norm(x, shape, w, g(x), g(w), g(b), eps))
+                      lambda g, out: J.layer_norm(x, shape, w, g(x), g(w), g(b), eps),
+                      lambda g, out: J.layer_norm_sq(x, shape, w, g(x), g(w), g(b), eps))
     if getattr(F, "rms_norm", None) is not None and func is F.rms_norm:
         x, shape = args[0], tuple(args[1])
         w, eps = _arg(args, kwargs, 2, "weight"), _arg(args, kwargs, 3, "eps")
         eps = torch.finfo(x.dtype).eps if eps is None else eps
         return OpCall("op", "rms_norm", (x,), dict(normalized_shape=shape, weight=w, eps=eps),
-                      lambda g, out: J.rms_norm(x, shape, w, g(x), g(w), eps))
+                      lambda g, out: J.rms_norm(x, shape, w, g(x), g(w), eps),
+                      lambda g, out: J.rms_norm_sq(x, shape, w, g(x), g(w), eps))
     if func is F.gelu:
         x, approx = args[0], _arg(args, kwargs, 1, "approximate", "none")
-        return OpCall("op", "gelu", (x,), {"approximate": approx}, lambda g, out: J.gelu(x, _z(g, x), approx))
+        return OpCall("op", "gelu", (x,), {"approximate": approx}, lambda g, out: J.gelu(x, _z(g, x), approx),
+                      lambda g, out: J.gelu_sq(x, _z(g, x), approx))
     if func is F.silu:
         x = args[0]
-        return OpCall("op", "silu", (x,), {}, lambda g, out: J.silu(x, _z(g, x)))
+        return OpCall("op", "silu", (x,), {}, lambda g, out: J.silu(x, _z(g, x)),
+                      lambda g, out: J.silu_sq(x, _z(g, x)))
     if func in _ADD or func in _MUL or func in _DIV:
         x, y = args[0], args[1]
         if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
             if func in _ADD:
-                return OpCall("op", "add", (x, y), {}, lambda g, out: J.add(g(x), g(y)))
+                return OpCall("op", "add", (x, y), {}, lambda g, out: J.add(g(x), g(y)),
+                              lambda g, out: J.add_sq(g(x), g(y)))
             if func in _MUL:
-                return OpCall("rounding", "mul", (x, y), {}, lambda g, out: J.mul(x, y, g(x), g(y)))
+                return OpCall("rounding", "mul", (x, y), {}, lambda g, out: J.mul(x, y, g(x), g(y)),
+                              lambda g, out: J.mul_sq(x, y, g(x), g(y)))
             return None  # tensor / tensor: no model
         t, c = (x, y) if isinstance(x, torch.Tensor) else (y, x)
         if func in _ADD:
-            return OpCall("rounding", "add_scalar", (t,), {}, lambda g, out: g(t))
+            return OpCall("rounding", "add_scalar", (t,), {}, lambda g, out: g(t), lambda g, out: g(t))
         factor = 1.0 / float(c) if func in _DIV else float(c)
-        return OpCall("rounding", "scale", (t,), {}, lambda g, out: J.scale(_z(g, t), factor), exact=_pow2(factor))
+        return OpCall("rounding", "scale", (t,), {}, lambda g, out: J.scale(_z(g, t), factor),
+                      lambda g, out: J.scale_sq(_z(g, t), factor), exact=_pow2(factor))
     if func in _CASTS:
         x = args[0]
-        return OpCall("rounding", "cast", (x,), {}, lambda g, out: g(x))
+        return OpCall("rounding", "cast", (x,), {}, lambda g, out: g(x), lambda g, out: g(x))
     return None
 
 

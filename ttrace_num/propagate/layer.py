@@ -28,6 +28,8 @@ class LayerBound:
     records: list[OpRecord]
     mode: str
     failure_probability: float
+    module_outputs: dict[str, torch.Tensor]
+    module_bounds: dict[str, torch.Tensor]
 
     @property
     def bound(self) -> torch.Tensor:
@@ -41,14 +43,19 @@ class LayerBound:
         return "\n".join(lines)
 
 
-def _install_name_hooks(module: nn.Module, shadow: ErrorShadow) -> list:
+def _install_name_hooks(module: nn.Module, shadow: ErrorShadow, outputs: dict, bounds: dict) -> list:
+    """Track the module path of every op, and record each submodule's (first) output and its bound."""
     handles = []
     for name, sub in module.named_modules():
         def pre(_m, _a, name=name):
             shadow.module_stack.append(name)
 
-        def post(_m, _a, _o):
+        def post(_m, _a, out, name=name):
             shadow.module_stack.pop()
+            first = out[0] if isinstance(out, tuple) else out
+            if name and isinstance(first, torch.Tensor) and name not in outputs:
+                outputs[name] = first
+                bounds[name] = shadow.bound_of(first)
         handles.append(sub.register_forward_pre_hook(pre))
         handles.append(sub.register_forward_hook(post))
     return handles
@@ -67,24 +74,23 @@ def layer_tolerance(module: nn.Module, *inputs: torch.Tensor, mode: str = "proba
         inputs: the module's inputs (the same stored values in both runs unless
             ``input_bounds`` says they already differ).
         mode: ``"probabilistic"`` (default) or ``"deterministic"``.
-        failure_probability: for the whole layer: probability that any local bound of any
-            element fails (union bound; per-element bounds use ``p / N``, ``N`` = number of
-            op-output elements, counted in a first pass).
+        failure_probability: per output element, as for every bound of the library (the
+            probability that the bound fails anywhere in an output of ``N`` elements is at
+            most ``N`` times that; pass ``p / N`` for a statement about the whole output).
         policy: computation models per (module path, op); see :func:`tensor_parallel_policy`.
         input_bounds: differences the inputs already carry (default 0).
 
-    Returns :class:`LayerBound` with ``bound`` (first output) and the per-op records.
+    Returns :class:`LayerBound` with ``bound`` (first output), ``module_bounds`` (the bound of
+    every submodule's output, by module path: what a tracer compares tensor by tensor) and
+    the per-op records.
     """
-    p_elem = None
-    if mode == "probabilistic":
-        counter = ErrorShadow(count_only=True)
-        with torch.no_grad(), counter:
-            module(*inputs, **forward_kwargs)
-        p_elem = failure_probability / max(1, counter.elements)
-    shadow = ErrorShadow(mode=mode, failure_probability=p_elem, policy=policy, against_exact=against_exact)
+    shadow = ErrorShadow(mode=mode, failure_probability=failure_probability if mode == "probabilistic" else None,
+                         policy=policy, against_exact=against_exact)
     for i, x in enumerate(inputs):
         shadow.set(x, 0.0 if input_bounds is None else input_bounds[i])
-    handles = _install_name_hooks(module, shadow)
+    mod_out: dict[str, torch.Tensor] = {}
+    mod_bound: dict[str, torch.Tensor] = {}
+    handles = _install_name_hooks(module, shadow, mod_out, mod_bound)
     try:
         with torch.no_grad(), shadow:
             out = module(*inputs, **forward_kwargs)
@@ -94,7 +100,7 @@ def layer_tolerance(module: nn.Module, *inputs: torch.Tensor, mode: str = "proba
     outs = out if isinstance(out, tuple) else (out,)
     bounds = tuple(shadow.bound_of(o) for o in outs if isinstance(o, torch.Tensor))
     return LayerBound(tuple(o for o in outs if isinstance(o, torch.Tensor)), bounds, shadow.records, mode,
-                      failure_probability if mode == "probabilistic" else 0.0)
+                      failure_probability if mode == "probabilistic" else 0.0, mod_out, mod_bound)
 
 
 def tensor_parallel_policy(row_parallel: list[str], tp: int, reduce_fmt: str = "bf16",

@@ -34,28 +34,34 @@ class LocalBounds:
             return {"mode": self.mode, "failure_probability": self.failure_probability}
         return {"mode": self.mode}
 
-    def of(self, call: OpCall, out: torch.Tensor, module: str) -> torch.Tensor:
-        """Elementwise local bound for ``call`` whose result is ``out`` (inside ``module``)."""
+    def terms(self, call: OpCall, out: torch.Tensor, module: str) -> list[torch.Tensor]:
+        """Independent local error bounds of ``call`` (result ``out``, inside ``module``): one
+        per run whose rounding is not shared (two for two runs of the same model, one against
+        exact or for a difference model, none for bitwise-identical runs)."""
         if call.kind == "rounding":
-            return _ZERO if call.exact else self.rounding(out, call.inputs)
-        return self.op(call.op, call.inputs, call.kwargs, module)
-
-    def op(self, op: str, inputs: tuple, kwargs: dict, module: str) -> torch.Tensor:
+            if call.exact:
+                return []
+            one = self.rounding(out, call.inputs)
+            return [one] if self.against_exact else [one, one]
         common = self._common()
         if self.against_exact:
-            return tn.tolerance(op, *inputs, **common, **kwargs).abs
-        models = self.policy(module, op) if self.policy else None
+            return [tn.tolerance(call.op, *call.inputs, **common, **call.kwargs).abs]
+        models = self.policy(module, call.op) if self.policy else None
         if models is None:
-            return 2.0 * tn.tolerance(op, *inputs, **common, **kwargs).abs
+            b = tn.tolerance(call.op, *call.inputs, **common, **call.kwargs).abs
+            return [b, b]
         ka, kb, bitwise = models
         if bitwise and ka == kb:
-            return _ZERO
-        return tn.difference(op, *inputs, model_a=ka, model_b=kb, **common, **kwargs).abs
+            return []
+        return [tn.difference(call.op, *call.inputs, model_a=ka, model_b=kb, **common, **call.kwargs).abs]
+
+    def of(self, call: OpCall, out: torch.Tensor, module: str) -> torch.Tensor:
+        """Elementwise local bound of ``call``: the sum of its independent terms."""
+        return sum(self.terms(call, out, module), _ZERO)
 
     def rounding(self, out: torch.Tensor, inputs: tuple) -> torch.Tensor:
         """One rounding of an elementwise result into ``out``'s format (0 for a widening cast)."""
         fmt = get_format(out.dtype)
         if len(inputs) == 1 and out.dtype != inputs[0].dtype and conversion_exact(get_format(inputs[0].dtype), fmt):
             return _ZERO
-        one = half_ulp(out.detach().double().abs() * (1 + 2 * fmt.u), fmt)
-        return one if self.against_exact else 2.0 * one
+        return half_ulp(out.detach().double().abs() * (1 + 2 * fmt.u), fmt)

@@ -19,11 +19,22 @@ the shadow exactly as to the tensor. Casts to a narrower format add the cast's r
 An op that touches a shadowed tensor and has no rule raises ``NotImplementedError`` naming
 the op and the module it ran in: the result would otherwise be silently wrong.
 
-Probabilistic mode: each local bound holds per element with probability
-``1 - p_elem``; the layer-level statement (every local bound of every element holds) fails
-with probability at most ``p_elem * N`` (union bound, ``N`` = number of elements of all
-op outputs), so :func:`~ttrace_num.propagate.layer.layer_tolerance` sets
-``p_elem = failure_probability / N``.
+Deterministic mode composes worst cases coherently: (C) as written. It is a bound for
+every admissible rounding, and for that very reason it grows fast with depth: a K-term
+dot product of inputs that each may be off by one ulp may be off by K ulps.
+
+Probabilistic mode composes in quadrature. Under the mean-independence model (Higham &
+Mary 2019) the output difference is, to first order, ``sum_k J_k e_k`` over the local
+errors ``e_k`` of every op (``|e_k| <= b_k``, ``E[e_k | earlier errors] = 0``): a
+martingale with increments bounded by ``|J_k| b_k``. Azuma-Hoeffding bounds it by
+``lambda sqrt(w)`` with ``w = sum_k (J_k b_k)^2``, which the shadow propagates as squared
+scales (``w_out = sum b_local^2 + sum_j J_ij^2 w_j``, :mod:`.jacobian` ``*_sq``). Two runs
+of the same op contribute two independent terms ``b^2 + b^2`` (not ``(2b)^2``). Each
+element's bound fails with probability ``2 exp(-lambda^2/2) = failure_probability``
+(per element, as everywhere in the library; a statement about all ``N`` elements of an
+output follows by the union bound with ``failure_probability / N``).
+The local bounds ``b_k`` themselves are taken at their probabilistic values (they already
+include their own ``lambda``), which makes the composition conservative.
 """
 from __future__ import annotations
 
@@ -36,6 +47,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .calls import classify
 from .local import LocalBounds, ModelPolicy
+from ..bounds.base import DEFAULT_FAILURE_PROBABILITY, lambda_for
 
 __all__ = ["ErrorShadow", "OpRecord", "ModelPolicy"]
 
@@ -67,53 +79,55 @@ class ErrorShadow(TorchFunctionMode):
             ``({}, {"summation": Summation(split=2, reduce_fmt="bf16")}, False)``), or None for
             "same model, not known to be bitwise identical" (the two bounds add).
         against_exact: bound one run against the exact result instead of two runs' difference.
-        count_only: only count the elements of op outputs (first pass of layer_tolerance).
     """
 
     def __init__(self, mode: str = "deterministic", failure_probability: float | None = None,
-                 policy: ModelPolicy | None = None, against_exact: bool = False, count_only: bool = False):
+                 policy: ModelPolicy | None = None, against_exact: bool = False):
         super().__init__()
         self.local = LocalBounds(mode, failure_probability, policy, against_exact)
+        self.quadrature = mode == "probabilistic"
+        self.lam = lambda_for(failure_probability or DEFAULT_FAILURE_PROBABILITY) if self.quadrature else 1.0
         self.shadow: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.records: list[OpRecord] = []
         self.module_stack: list[str] = [""]
-        self.count_only = count_only
-        self.elements = 0
 
     # ----------------------------------------------------------- public helpers
     def set(self, t: torch.Tensor, v: torch.Tensor | float = 0.0) -> None:
-        """Declare that ``t`` carries difference ``v`` (default: none)."""
-        self.shadow[t] = torch.broadcast_to(torch.as_tensor(v, dtype=torch.float64), t.shape).clone()
+        """Declare that ``t`` carries a difference bounded by ``v`` (default: none)."""
+        v = torch.broadcast_to(torch.as_tensor(v, dtype=torch.float64), t.shape).clone()
+        self.shadow[t] = v * v if self.quadrature else v
 
     def get(self, t: Any) -> torch.Tensor | None:
+        """The raw shadow: ``v`` (deterministic) or the squared scale ``w`` (probabilistic)."""
         if isinstance(t, torch.Tensor):
             return self.shadow.get(t)
         return None
 
-    def bound_of(self, t: torch.Tensor) -> torch.Tensor:
-        v = self.get(t)
-        return torch.zeros(t.shape, dtype=torch.float64) if v is None else v
+    def _final(self, raw: torch.Tensor) -> torch.Tensor:
+        return self.lam * raw.sqrt() if self.quadrature else raw
 
-    def _record(self, op: str, out: torch.Tensor, local: torch.Tensor, prop) -> torch.Tensor:
-        prop_t = torch.as_tensor(prop, dtype=torch.float64)
-        v = torch.broadcast_to(local + prop_t, out.shape).clone()
+    def bound_of(self, t: torch.Tensor) -> torch.Tensor:
+        """Elementwise bound on the difference carried by ``t``."""
+        v = self.get(t)
+        return torch.zeros(t.shape, dtype=torch.float64) if v is None else self._final(v)
+
+    def _record(self, op: str, out: torch.Tensor, terms: list[torch.Tensor], prop) -> torch.Tensor:
+        zero = torch.zeros((), dtype=torch.float64)
+        prop_t = zero if prop is None else torch.as_tensor(prop, dtype=torch.float64)
+        local = sum((b * b for b in terms), zero) if self.quadrature else sum(terms, zero)
+        self.shadow[out] = torch.broadcast_to(local + prop_t, out.shape).clone()
         self.records.append(OpRecord(len(self.records), op, self.module_stack[-1], tuple(out.shape),
-                                     float(local.max()) if local.numel() else 0.0,
-                                     float(prop_t.max()) if prop_t.numel() else 0.0))
-        self.shadow[out] = v
+                                     float(self._final(local).max()), float(self._final(prop_t).max())))
         return out
 
     # ---------------------------------------------------------------- dispatch
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if self.count_only:
-            if isinstance(out, torch.Tensor) and out.is_floating_point():
-                self.elements += out.numel()
-            return out
         flat_in = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
         flat_in += [t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
-        if not any(self.get(t) is not None for t in flat_in):
+        if not any(self.get(t) is not None for t in flat_in) or not any(
+                isinstance(o, torch.Tensor) for o in _as_tuple(out)):
             return out  # nothing shadowed flows in (masks, constants, parameters alone)
         # torch pops this mode while its handler runs, so the rules' own torch calls are plain
         return self._propagate(func, args, kwargs, out)
@@ -136,11 +150,12 @@ class ErrorShadow(TorchFunctionMode):
             return out
         if call.op == "cast" and out is args[0]:
             return out  # .to() of the same dtype returns the tensor itself
-        local = self.local.of(call, out, self.module_stack[-1])
-        prop = call.propagate(self.get, out)
-        return self._record(call.op, out, local, torch.zeros((), dtype=torch.float64) if prop is None else prop)
+        terms = self.local.terms(call, out, self.module_stack[-1])
+        prop = (call.propagate_sq if self.quadrature else call.propagate)(self.get, out)
+        return self._record(call.op, out, terms, prop)
 
     def _sh(self, a):
+        """Raw shadows of ``a`` (zeros for unshadowed tensors), for structural ops."""
         if isinstance(a, torch.Tensor):
             v = self.get(a)
             return torch.zeros(a.shape, dtype=torch.float64) if v is None else v
