@@ -6,7 +6,7 @@ from .base import Bound, Explanation  # noqa: F401
 from .summation import Summation  # noqa: F401
 
 # one module per operator family; each registers its ops on import
-_FAMILIES = ("reduction", "matmul", "softmax", "norms", "activations")
+_FAMILIES = ("reduction", "matmul", "softmax", "norms", "activations", "attention", "fp8", "collectives")
 for _name in _FAMILIES:
     try:
         import_module(f"{__name__}.{_name}")

@@ -88,6 +88,9 @@ class ErrorShadow(TorchFunctionMode):
         self.quadrature = mode == "probabilistic"
         self.lam = lambda_for(failure_probability or DEFAULT_FAILURE_PROBABILITY) if self.quadrature else 1.0
         self.shadow: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        # quadrature mode: the last op's own local bound (sum and sum of squares of its terms),
+        # added outside lambda at that tensor (see _final)
+        self.own: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self.records: list[OpRecord] = []
         self.module_stack: list[str] = [""]
 
@@ -103,21 +106,35 @@ class ErrorShadow(TorchFunctionMode):
             return self.shadow.get(t)
         return None
 
-    def _final(self, raw: torch.Tensor) -> torch.Tensor:
-        return self.lam * raw.sqrt() if self.quadrature else raw
+    def _final(self, raw: torch.Tensor, own: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Deterministic: ``v``. Quadrature: ``b_own + lambda sqrt(w - b_own_sq)``: the last op's
+        own error is bounded by its local bound surely, the upstream ones by Azuma."""
+        if not self.quadrature:
+            return raw
+        if own is None:
+            return self.lam * raw.sqrt()
+        loc, loc_sq = own
+        return loc + self.lam * (raw - loc_sq).clamp(min=0).sqrt()
 
     def bound_of(self, t: torch.Tensor) -> torch.Tensor:
         """Elementwise bound on the difference carried by ``t``."""
         v = self.get(t)
-        return torch.zeros(t.shape, dtype=torch.float64) if v is None else self._final(v)
+        return torch.zeros(t.shape, dtype=torch.float64) if v is None else self._final(v, self.own.get(t))
 
     def _record(self, op: str, out: torch.Tensor, terms: list[torch.Tensor], prop) -> torch.Tensor:
         zero = torch.zeros((), dtype=torch.float64)
         prop_t = zero if prop is None else torch.as_tensor(prop, dtype=torch.float64)
-        local = sum((b * b for b in terms), zero) if self.quadrature else sum(terms, zero)
-        self.shadow[out] = torch.broadcast_to(local + prop_t, out.shape).clone()
+        loc = sum(terms, zero)
+        if self.quadrature:
+            loc_sq = sum((b * b for b in terms), zero)
+            self.shadow[out] = torch.broadcast_to(loc_sq + prop_t, out.shape).clone()
+            self.own[out] = (torch.broadcast_to(loc, out.shape).clone(), torch.broadcast_to(loc_sq, out.shape).clone())
+            inherited = self.lam * prop_t.sqrt()
+        else:
+            self.shadow[out] = torch.broadcast_to(loc + prop_t, out.shape).clone()
+            inherited = prop_t
         self.records.append(OpRecord(len(self.records), op, self.module_stack[-1], tuple(out.shape),
-                                     float(self._final(local).max()), float(self._final(prop_t).max())))
+                                     float(loc.max()), float(inherited.max())))
         return out
 
     # ---------------------------------------------------------------- dispatch
@@ -144,6 +161,12 @@ class ErrorShadow(TorchFunctionMode):
             for o, s in zip(_as_tuple(out), _as_tuple(sout)):
                 if isinstance(o, torch.Tensor):
                     self.shadow[o] = s
+            owns = [self.own.get(a) for a in args if isinstance(a, torch.Tensor)]
+            if self.quadrature and len(owns) == 1 and owns[0] is not None:  # a view of one tensor
+                parts = [func(own_part, *args[1:], **kwargs) for own_part in owns[0]]
+                for i, o in enumerate(_as_tuple(out)):
+                    if isinstance(o, torch.Tensor):
+                        self.own[o] = tuple(_as_tuple(p)[i] for p in parts)
             return out
         if call.kind == "masked_fill":
             self.shadow[out] = self._sh(args[0]).masked_fill(call.kwargs["mask"], 0.0)
