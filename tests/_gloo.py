@@ -1,0 +1,114 @@
+"""Run a function on ``world_size`` local processes joined by a gloo process group.
+
+    from _gloo import run_gloo
+
+    def work(rank: int, world_size: int, n: int) -> torch.Tensor:   # module level (picklable)
+        t = torch.full((n,), float(rank))
+        dist.all_reduce(t)
+        return t
+
+    results = run_gloo(work, 4, 10)        # [rank 0's return value, rank 1's, ...]
+
+Each worker is a fresh ``spawn``-ed interpreter (no fork of the test process) that sets
+``torch.set_num_threads(1)`` (``mp.spawn``, unlike ``torchrun``, leaves every rank with
+all cores), joins ``dist.init_process_group("gloo")`` on a free localhost TCP port, calls
+``fn(rank, world_size, *args)``, sends the return value back through a
+``torch.multiprocessing`` queue and destroys the group. Return values travel as ordinary
+multiprocessing messages (tensors through shared memory): nothing is written to or read
+back from disk. A worker stays alive until the parent has received every result, because
+a tensor sent through shared memory must outlive its receipt.
+
+A launch costs several seconds (interpreter + torch import per rank): batch every
+measurement of a test module into one call, e.g. from a module-scoped fixture.
+
+A worker that raises makes :func:`run_gloo` raise ``RuntimeError`` with the worker's
+traceback; the remaining workers (which may be blocked in a collective) are terminated.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["run_gloo", "free_port"]
+
+
+def free_port() -> int:
+    """A localhost TCP port that was free a moment ago (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args: tuple,
+            env: dict[str, str], results: "mp.Queue", done: "mp.Event", timeout_s: float) -> None:
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), **env})
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))
+        try:
+            out = fn(rank, world_size, *args)
+        finally:
+            dist.destroy_process_group()
+        results.put((rank, True, out))
+    except BaseException:  # report every failure to the parent, then exit
+        results.put((rank, False, traceback.format_exc()))
+    done.wait(timeout_s)
+
+
+def run_gloo(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0,
+             env: dict[str, str] | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results by rank.
+
+    Args:
+        fn: a module-level function (it is pickled by reference into the spawned workers).
+        world_size: number of processes.
+        args: extra picklable arguments, the same for every rank.
+        timeout_s: limit for the collectives (process-group timeout) and for the whole run.
+        env: environment variables set in every worker before the group is created.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    done = ctx.Event()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, dict(env or {}), results, done,
+                                              timeout_s), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(out) < world_size:
+            try:
+                rank, ok, value = results.get(timeout=1.0)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
+                if dead:
+                    raise RuntimeError(f"gloo worker(s) {dead} died (exit codes "
+                                       f"{[procs[r].exitcode for r in dead]}) without a result") from None
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"gloo run of {fn.__name__} exceeded {timeout_s} s") from None
+                continue
+            if not ok:
+                raise RuntimeError(f"gloo worker {rank} of {world_size} failed:\n{value}")
+            out[rank] = value
+    finally:
+        done.set()
+        grace = time.monotonic() + 10.0  # then terminate a worker stuck in a collective
+        for p in procs:
+            p.join(timeout=max(0.0, grace - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join()
+    return [out[r] for r in range(world_size)]
