@@ -44,14 +44,33 @@ the nodes of format ``f`` split into ``d_f`` antichains, ``d_f`` being the longe
   probability at least ``1 - 2 exp(-lambda**2 / 2)``,
   ``|err| <= lambda sqrt(sum_v c_v**2) <= lambda (1 + theta) sqrt(sum_f d_f u_f**2) * S``.
 
+Growth of the partial sums (probabilistic mode). ``(1 + theta)`` bounds ``|s_hat'_v| / S_v``
+in the worst case; when ``sum_f d_f u_f`` is not small (fp16 accumulation over thousands
+of terms, bf16 over hundreds) it explodes (``theta ~ exp(d u) - 1``). Under the same model
+a computed partial sum is ``sum_i x_i prod_{w on i's path below v} (1 + delta_w)``; along one
+path the ``delta_w`` are, in evaluation order, martingale differences, so by the maximal
+Azuma-Hoeffding inequality and ``|log(1+delta) - delta| <= delta^2/(1-u)`` *every* prefix
+product of one path stays within ``g = exp(lambda' sqrt(sum_f d_f u_f^2) + sum_f d_f
+u_f^2/(1-u_f)) - 1`` of 1 with probability ``>= 1 - 2 exp(-lambda'^2/2)`` (Higham & Mary 2019,
+Thm 2.4, in maximal form). With a union bound over the ``n`` terms' paths (and the
+partials' paths of the outer stage), ``|s_hat'_v| <= (1 + g) S_v`` at every node; the terms
+``delta_v s_hat'_v 1{that holds at v}`` are still martingale differences (the event is
+known before ``delta_v``), bounded by ``u (1 + g) S_v``, and equal the error's terms when
+the event holds everywhere. So, splitting the failure probability ``p`` into ``p/2`` for
+Azuma and ``p/2`` over the paths (``lambda_2 = lambda(p/2)``, ``lambda' = lambda(p/(2 m))``,
+``m`` paths): ``|err| <= lambda_2 (1 + g) sqrt(sum_f d_f u_f^2) S``. The bound used is the
+smallest of the deterministic one and the two probabilistic forms (which one depends on
+``n`` and the formats only, never on the rounding errors, so the minimum still fails with
+probability at most ``p``); ``g`` also replaces ``theta_in`` in ``T_hat`` below.
+
 Underflow. Below the normal range a rounding is ``fl(z) = z (1 + delta) + eta`` with
 ``|eta| <= eta_f = fmt.subnormal_abs_error``. The sum of two numbers of format ``f`` is
 exact when it is subnormal (Hauser 1996; Higham 2002, §2.1), so ``eta`` arises only where
 a node's operands are not both in its format: the rounding (or fused use) of each of
 the ``n`` products/terms, the conversion of each partial sum to ``reduce_fmt``, and extra
 levels such as a mean's division. The bound adds ``sum_f r_f eta_f`` with ``r_f`` those
-counts (:meth:`Summation.roundings`; an addition is counted too when the algorithm's
-operands are, conservatively, not assumed to share its format).
+counts (:meth:`Summation.roundings`; in a format without subnormals, which flushes,
+every addition is counted too).
 
 Two stages (split sums, and levels applied to the whole sum)
 ------------------------------------------------------------
@@ -88,7 +107,11 @@ the same operation in both (same operands, same order, same format) have identic
 * probabilistic: one martingale over the unshared nodes of both computations (the
   Higham-Mary model makes the roundings of both runs mean-independent), Azuma-Hoeffding:
   ``lambda sqrt(sum_{side, stage} ((1+theta) M)**2 sum_f d'_f u_f**2)``: quadrature instead
-  of the sum of two worst cases. This holds for unknown orders too (nothing shared).
+  of the sum of two worst cases. This holds for unknown orders too (nothing shared). The
+  output roundings need each side's magnitude, i.e. each side's own accumulation bound:
+  three events, each given ``p/3``; the smaller of this, the deterministic bound and the sum
+  of the two single bounds at ``p/2`` is used (each fails with probability at most ``p`` and
+  the choice depends on the data only, so the minimum does too).
 
 Shared nodes recognised (both ``known_order``): identical models share every node
 (difference 0, the computations are bitwise equal); the same inner trees (format,
@@ -104,7 +127,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 
@@ -139,6 +162,7 @@ __all__ = [
     "unshared_depths",
     "sum_error_bound",
     "sum_difference_bound",
+    "path_growth",
 ]
 
 
@@ -237,13 +261,15 @@ class Summation:
         an absolute error (see the module docstring): the ``n`` terms' rounding into
         ``accum`` (counted even for products exact in precision: they can underflow) and
         the conversion of each partial sum to ``reduce_fmt``. Additions of two numbers of
-        the node's format are exact when subnormal and are not counted."""
+        the node's format are exact when subnormal and are not counted, unless the format
+        has no subnormals (flush to zero)."""
         if n <= 0:
             return {}
-        r: Depths = {self.accum: n}
+        k = self.parts(n)
         rf = self.reduce_fmt or self.accum
-        if self.parts(n) > 1 and not conversion_exact(self.accum, rf):
-            r[rf] = r.get(rf, 0) + self.parts(n)
+        r: Depths = {self.accum: n + (0 if self.accum.subnormals else n - k)}
+        if k > 1:
+            r[rf] = r.get(rf, 0) + (0 if conversion_exact(self.accum, rf) else k) + (0 if rf.subnormals else k - 1)
         return r
 
     def describe(self) -> str:
@@ -313,41 +339,66 @@ def output_rounding(magnitude_upper: torch.Tensor, last: FloatFormat, out: Float
 class _Stage:
     """Rounding levels acting on one kind of operands (see "Two stages" in the module
     docstring): ``depths`` (longest chain of them per format), ``theta`` (``|s'_v| <=
-    (1 + theta) M_v``) and ``magnitude`` (``M``: a bound on ``sum M_v`` over an antichain)."""
+    (1 + theta) M_v``) and ``magnitude`` (``M``: a bound on ``sum M_v`` over an antichain;
+    ``None`` for a stage without levels)."""
 
     depths: Depths
     theta: float
-    magnitude: torch.Tensor
+    magnitude: torch.Tensor | None
 
-    def linear(self, depths: Depths) -> torch.Tensor:
+    def linear(self, depths: Depths) -> torch.Tensor | float:
         """``(1 + theta) (sum_f d_f u_f) M``: deterministic bound of levels ``depths`` of this stage."""
+        if not depths or self.magnitude is None:
+            return 0.0
         return (1.0 + self.theta) * linear_coefficient(depths) * self.magnitude
 
-    def variance(self, depths: Depths) -> torch.Tensor:
+    def variance(self, depths: Depths) -> torch.Tensor | float:
         """``((1 + theta) M)**2 sum_f d_f u_f**2``: Azuma-Hoeffding variance proxy of ``depths``."""
-        return ((1.0 + self.theta) * self.magnitude) ** 2 * sigma_coefficient(depths) ** 2
+        if not depths or self.magnitude is None:
+            return 0.0
+        return ((1.0 + self.theta) * sigma_coefficient(depths) * self.magnitude) ** 2
+
+
+def path_growth(depths: Depths, lam_path: float) -> float:
+    """``min(theta, exp(lambda' sqrt(sum d u^2) + sum d u^2/(1-u)) - 1)``: bound on
+    ``|prod (1 + delta) - 1|`` over every prefix of a path with ``d_f`` roundings per
+    format, the second form holding with probability ``>= 1 - 2 exp(-lambda'^2/2)`` under
+    the Higham-Mary model (module docstring, "Growth of the partial sums")."""
+    if not depths:
+        return 0.0
+    r = sum(d * f.u**2 / (1.0 - f.u) for f, d in depths.items())
+    return min(theta(depths), math.expm1(lam_path * sigma_coefficient(depths) + r))
 
 
 def _stages(s: Summation, n: int, exact_products: bool, abs_sum: torch.Tensor, magnitude: torch.Tensor,
-            partial_abs_sum: torch.Tensor | None, extra_depths: Depths | None) -> tuple[_Stage, _Stage]:
-    """The inner stage (the parts' trees, on ``S``) and the outer stage (conversion and
-    reduction of the partials, then ``extra_depths``, on ``T_hat = T + theta_in S``), where
-    ``T`` bounds ``sum_i |p_i|`` over the exact partial sums: ``|exact sum|`` when there is
-    one part, ``partial_abs_sum`` when given, else ``S``."""
-    din = s.inner_depths(n, exact_products)
+            partial_abs_sum: torch.Tensor | None, extra_depths: Depths | None,
+            leaf_depths: Depths | None = None, growth: Callable[[Depths], float] = theta
+            ) -> tuple[_Stage, _Stage]:
+    """The inner stage (``leaf_depths`` applied to each term, then the parts' trees, on
+    ``S``) and the outer stage (conversion and reduction of the partials, then
+    ``extra_depths``, on ``T_hat = T + g_in S``), where ``T`` bounds ``sum_i |p_i|`` over
+    the exact partial sums: ``|exact sum|`` when there is one part, ``partial_abs_sum`` when
+    given, else ``S``; ``g = growth(depths)`` bounds the relative growth of a stage's
+    partial sums (``theta``, or :func:`path_growth` in probabilistic mode)."""
+    din = _merge(s.inner_depths(n, exact_products), leaf_depths or {})
     dout = _merge(s.outer_depths(n), extra_depths or {})
-    th_in = theta(din)
+    g_in = growth(din)
+    inner = _Stage(din, g_in, abs_sum)
+    if not dout:
+        return inner, _Stage({}, 0.0, None)
     if s.parts(n) <= 1:
         t = torch.minimum(magnitude, abs_sum)
     elif partial_abs_sum is not None:
         t = torch.minimum(partial_abs_sum, abs_sum)
     else:
         t = abs_sum
-    return _Stage(din, th_in, abs_sum), _Stage(dout, theta(dout), t + th_in * abs_sum)
+    return inner, _Stage(dout, growth(dout), t + g_in * abs_sum)
 
 
 def _deterministic(inner: _Stage, outer: _Stage) -> torch.Tensor:
     """``theta_in S + theta_out T_hat`` (module docstring, "Two stages")."""
+    if outer.magnitude is None:
+        return inner.theta * inner.magnitude
     return inner.theta * inner.magnitude + outer.theta * outer.magnitude
 
 
@@ -403,8 +454,8 @@ def with_accum(s: Summation, accum: "FloatFormat | str") -> Summation:
 
 def sum_error_bound(abs_sum: torch.Tensor, magnitude: torch.Tensor, n: int, summation: Summation,
                     out_fmt: FloatFormat, mode: str, lam: float, exact_products: bool = True,
-                    extra_depths: Depths | None = None, partial_abs_sum: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, dict]:
+                    extra_depths: Depths | None = None, partial_abs_sum: torch.Tensor | None = None,
+                    leaf_depths: Depths | None = None) -> tuple[torch.Tensor, dict]:
     """Elementwise bound on ``|fl_out(computed sum) - exact sum|`` from the sum's statistics.
 
     Args:
@@ -416,6 +467,9 @@ def sum_error_bound(abs_sum: torch.Tensor, magnitude: torch.Tensor, n: int, summ
             division of a mean, ``{compute_fmt: 1}``); each may also underflow once.
         partial_abs_sum: with ``summation.split > 1``, an upper bound on ``T = sum_i |p_i|``
             over the exact partial sums of the parts (tightens the reduction levels).
+        leaf_depths: rounding levels applied to each term before the tree (e.g. operands
+            converted to another format, a scale applied to every product); ``n``
+            roundings per level, each may underflow.
     Returns ``(abs_bound, values)``; ``values`` are the plugged-in constants for explanations.
 
     Bound (module docstring, "Two stages"): ``acc = theta_in S + theta_out T_hat + eta``,
@@ -424,14 +478,30 @@ def sum_error_bound(abs_sum: torch.Tensor, magnitude: torch.Tensor, n: int, summ
     ``out_fmt``: ``half_ulp_out(magnitude + acc)`` (the computed sum is within ``acc`` of the
     exact one, and ``half_ulp`` is monotone).
     """
-    inner, outer = _stages(summation, n, exact_products, abs_sum, magnitude, partial_abs_sum, extra_depths)
-    roundings = _merge(summation.roundings(n), extra_depths or {})
+    args = (summation, n, exact_products, abs_sum, magnitude, partial_abs_sum, extra_depths, leaf_depths)
+    inner, outer = _stages(*args)
+    roundings = _merge(summation.roundings(n), extra_depths or {}, {f: k * n for f, k in (leaf_depths or {}).items()})
     eta = underflow_term(roundings)
-    acc = _deterministic(inner, outer)
     if mode == "probabilistic":
-        acc = torch.minimum(acc, lam * torch.sqrt(inner.variance(inner.depths) + outer.variance(outer.depths)))
-    acc = acc + eta
-    out = output_rounding(magnitude + acc, summation.final_fmt, out_fmt)
+        # growth of the partial sums bounded per path (probability split: p/2 for the error's
+        # martingale, p/2 over the paths of the n terms and of the partials)
+        lam2 = math.sqrt(lam**2 + 2.0 * math.log(2.0))
+        paths = n + (summation.parts(n) if outer.depths else 0)
+        lam_path = math.sqrt(lam**2 + 2.0 * math.log(2.0 * paths))
+        p_in, p_out = _stages(*args, growth=lambda d: path_growth(d, lam_path))
+    if outer.magnitude is None:  # one stage: a scalar coefficient times S (one pass over the data)
+        coef = inner.theta
+        if mode == "probabilistic":
+            sig = sigma_coefficient(inner.depths)
+            coef = min(coef, lam * (1.0 + inner.theta) * sig, lam2 * (1.0 + p_in.theta) * sig)
+        acc = abs_sum * coef + eta
+    else:
+        acc = _deterministic(inner, outer)
+        if mode == "probabilistic":
+            acc = torch.minimum(acc, lam * torch.sqrt(inner.variance(inner.depths) + outer.variance(outer.depths)))
+            acc = torch.minimum(acc, lam2 * torch.sqrt(p_in.variance(p_in.depths) + p_out.variance(p_out.depths)))
+        acc = acc + eta
+    bound = acc if conversion_exact(summation.final_fmt, out_fmt) else acc + half_ulp(magnitude + acc, out_fmt)
     values = {"n": n, "summation": summation.describe(),
               "depths": {str(f): d for f, d in _merge(inner.depths, outer.depths).items()},
               "theta_inner": inner.theta, "theta_outer": outer.theta, "eta": eta, "output": str(out_fmt)}
@@ -439,7 +509,7 @@ def sum_error_bound(abs_sum: torch.Tensor, magnitude: torch.Tensor, n: int, summ
         values["T"] = "sum_i |partial_i|"
     if mode == "probabilistic":
         values["lambda"] = lam
-    return acc + out, values
+    return bound, values
 
 
 def sum_difference_bound(abs_sum: torch.Tensor, magnitude: torch.Tensor, n: int,
@@ -449,28 +519,49 @@ def sum_difference_bound(abs_sum: torch.Tensor, magnitude: torch.Tensor, n: int,
                          partial_abs_sum_b: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Elementwise bound on ``|result_a - result_b|`` for two computation models of one sum.
 
-    ``acc + eta_a + eta_b + out_a + out_b`` with, from the unshared levels of each stage
-    (:func:`unshared_depths`; module docstring): deterministic ``acc = min(bound_a + bound_b,
-    sum_{sides, stages} (1+theta) c(d') M)``, ``c(d) = sum d u``; probabilistic also
-    ``lambda sqrt(sum_{sides, stages} ((1+theta) M)^2 sum d' u^2)``; ``out_*`` the two output
-    roundings. Identical models of a known order give 0.
+    Deterministic: ``min(bound_a + bound_b, sum_{sides, stages} (1+theta) c(d') M + eta_a
+    + eta_b + out_a + out_b)`` with the unshared levels ``d'`` of each stage
+    (:func:`unshared_depths`), ``c(d) = sum d u`` and ``out_*`` the output roundings at the
+    magnitudes ``|y| + bound``. Identical models of a known order give 0.
+
+    Probabilistic (failure probability ``p = 2 exp(-lambda^2/2)`` per element), the
+    smallest of three bounds, each failing with probability at most ``p`` (the choice
+    depends on the data only, not on the rounding errors, so the minimum fails with
+    probability at most ``p`` too):
+
+    * the deterministic bound above;
+    * ``bound_a + bound_b``, each a probabilistic bound at ``p/2`` (union bound);
+    * one martingale over the unshared nodes of both computations,
+      ``lambda_3 sqrt(sum_{sides, stages} ((1+theta) M)^2 sum d' u^2)``, plus the output
+      roundings at ``|y| + acc_side`` with each side's own probabilistic accumulation bound,
+      all three at ``p/3`` (``lambda_3 = sqrt(lambda^2 + 2 ln 3)``).
     """
     if a == b and a.known_order and out_a == out_b:
         return torch.zeros_like(abs_sum), {"n": n, "note": "identical computations (same known tree) are bitwise equal"}
     sa = _stages(a, n, exact_products, abs_sum, magnitude, partial_abs_sum_a, None)
     sb = _stages(b, n, exact_products, abs_sum, magnitude, partial_abs_sum_b, None)
     unshared = unshared_depths(a, b, n, exact_products)
-    det_a, det_b = _deterministic(*sa), _deterministic(*sb)
     pairs = [(st, d) for stages, ds in zip((sa, sb), unshared) for st, d in zip(stages, ds)]
-    acc = torch.minimum(det_a + det_b, sum(st.linear(d) for st, d in pairs))
+    eta = underflow_term(a.roundings(n)) + underflow_term(b.roundings(n))
+
+    def outputs(acc_a: torch.Tensor, acc_b: torch.Tensor) -> torch.Tensor | float:
+        return (output_rounding(magnitude + acc_a + eta, a.final_fmt, out_a)
+                + output_rounding(magnitude + acc_b + eta, b.final_fmt, out_b))
+
+    det_a, det_b = _deterministic(*sa), _deterministic(*sb)
+    bound = torch.minimum(det_a + det_b, sum(st.linear(d) for st, d in pairs)) + eta + outputs(det_a, det_b)
     if mode == "probabilistic":
-        acc = torch.minimum(acc, lam * torch.sqrt(sum(st.variance(d) for st, d in pairs)))
-    eta_a, eta_b = underflow_term(a.roundings(n)), underflow_term(b.roundings(n))
-    out = (output_rounding(magnitude + det_a + eta_a, a.final_fmt, out_a)
-           + output_rounding(magnitude + det_b + eta_b, b.final_fmt, out_b))
+        lam2, lam3 = math.sqrt(lam**2 + 2 * math.log(2)), math.sqrt(lam**2 + 2 * math.log(3))
+        tri = sum(sum_error_bound(abs_sum, magnitude, n, s, o, mode, lam2, exact_products, partial_abs_sum=t)[0]
+                  for s, o, t in ((a, out_a, partial_abs_sum_a), (b, out_b, partial_abs_sum_b)))
+        side = [torch.minimum(_deterministic(*st), lam3 * torch.sqrt(st[0].variance(st[0].depths)
+                                                                     + st[1].variance(st[1].depths)))
+                for st in (sa, sb)]
+        joint = lam3 * torch.sqrt(sum(st.variance(d) for st, d in pairs)) + eta + outputs(*side)
+        bound = torch.minimum(bound, torch.minimum(tri, joint))
     values = {"n": n, "model_a": a.describe(), "model_b": b.describe(),
               "unshared_depths": {str(f): k for f, k in difference_depths(a, b, n, exact_products).items()},
               "outputs": f"{out_a} / {out_b}"}
     if mode == "probabilistic":
         values["lambda"] = lam
-    return acc + eta_a + eta_b + out, values
+    return bound, values
