@@ -5,7 +5,8 @@
 Loads the ``CASES`` of every module in ``bench/cases/``, evaluates each case in both modes
 (:func:`bench.harness.evaluate`), prints a table, and with ``--write`` replaces the table
 between the ``<!-- BEGIN BOUNDS TABLE -->`` / ``<!-- END BOUNDS TABLE -->`` markers of the
-given markdown file (the derivations around it are hand-written and kept).
+given markdown file (the derivations around it are hand-written and kept). Rows of ops that
+were not run this time are kept, so families can be benchmarked separately (``--only``).
 """
 from __future__ import annotations
 
@@ -29,20 +30,29 @@ def load_cases(only: str | None) -> list[Case]:
     out: list[Case] = []
     for info in pkgutil.iter_modules(cases_pkg.__path__):
         mod = importlib.import_module(f"bench.cases.{info.name}")
-        out += [c for c in getattr(mod, "CASES", []) if only is None or c.op == only]
+        out += [c for c in getattr(mod, "CASES", []) if only is None or c.op in only.split(",")]
     return out
 
 
-def markdown(results: list[Result]) -> str:
+def markdown(rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
-    lines += ["| " + " | ".join(r.row()) + " |" for r in results]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
     return "\n".join(lines)
+
+
+def _existing_rows(section: str) -> list[list[str]]:
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == len(HEADERS) and cells[0] not in ("op", "---", "") and not cells[0].startswith("-"):
+            rows.append(cells)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trials", type=int, default=200, help="random instances per case and mode")
-    ap.add_argument("--only", help="only this op")
+    ap.add_argument("--only", help="only these ops (comma-separated)")
     ap.add_argument("--write", help="markdown file whose table section to replace")
     args = ap.parse_args(argv)
     cases = load_cases(args.only)
@@ -56,19 +66,24 @@ def main(argv: list[str] | None = None) -> int:
             r = evaluate(case, mode, args.trials, seed=i)
             results.append(r)
             print(f"[{i}/{len(cases)} {time.time() - t0:6.0f}s] " + "  ".join(r.row()), flush=True)
-    table = markdown(results)
+    new_rows = [r.row() for r in results]
     total_viol = sum(r.violations for r in results if r.mode == "deterministic")
-    summary = (f"\n{len(cases)} cases x 2 modes x {args.trials} instances; deterministic violations: {total_viol}; "
-               f"command: `python bench/bounds_table.py --trials {args.trials}`\n")
-    print("\n" + table + summary)
+    print("\n" + markdown(new_rows))
+    print(f"\n{len(cases)} cases x 2 modes x {args.trials} instances; deterministic violations: {total_viol}")
     if args.write:
         path = Path(args.write)
         text = path.read_text() if path.exists() else f"{BEGIN}\n{END}\n"
         if BEGIN not in text or END not in text:
             text += f"\n{BEGIN}\n{END}\n"
         head, rest = text.split(BEGIN, 1)
-        _, tail = rest.split(END, 1)
-        path.write_text(head + BEGIN + "\n" + table + "\n" + summary + END + tail)
+        section, tail = rest.split(END, 1)
+        ran = {r[0] for r in new_rows}
+        rows = [r for r in _existing_rows(section) if r[0] not in ran] + new_rows
+        rows.sort(key=lambda r: r[0])
+        summary = (f"\nDeterministic violations in this table: {sum(int(r[6]) for r in rows if r[4] == 'deterministic')}. "
+                   f"Regenerate: `python bench/bounds_table.py --trials {args.trials} --write {args.write}` "
+                   f"(`--only OP` for one op).\n")
+        path.write_text(head + BEGIN + "\n" + markdown(rows) + "\n" + summary + END + tail)
         print(f"wrote {path}")
     return 1 if total_viol else 0
 
