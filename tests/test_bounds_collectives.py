@@ -36,7 +36,7 @@ from ttrace_num.emulate.collectives import emulate_all_reduce, emulate_reduce_sc
 from ttrace_num.reference.dot import exact_sum
 from ttrace_num.rounding import round_to
 
-from _gloo import run_gloo
+from examples.gloo import run_gloo
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 KINDS = ("normal", "positive", "cancel", "wide", "tiny")

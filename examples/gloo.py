@@ -1,6 +1,6 @@
 """Run a function on ``world_size`` local processes joined by a gloo process group.
 
-    from _gloo import run_gloo
+    from examples.gloo import run_gloo
 
     def work(rank: int, world_size: int, n: int) -> torch.Tensor:   # module level (picklable)
         t = torch.full((n,), float(rank))
