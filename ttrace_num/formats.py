@@ -315,12 +315,14 @@ def half_ulp(t: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     spacing there), at most ``u |t|``; below the normal range it is the absolute
     ``fmt.subnormal_abs_error``. Monotone non-decreasing in ``|t|``, so
     ``half_ulp(T)`` bounds the rounding error of every value of magnitude ``<= T``.
+    At ``t = 0`` it is 0 (zero is representable, and the bound at magnitude 0 covers only 0).
     Above the largest finite value it returns ``+inf`` (overflow is not round-off).
     """
     t = t.abs().to(torch.float64)
     _, exp = torch.frexp(t)  # t = mant * 2**exp, mant in [0.5, 1)
     e = (exp - 1).clamp(min=fmt.emin)
     out = torch.ldexp(torch.full_like(t, fmt.u), e.to(torch.float64))
+    out = torch.where(t == 0, torch.zeros_like(t), out)  # 0 is exact in every format
     if not fmt.subnormals:
         out = torch.where(t < fmt.min_normal, torch.full_like(t, fmt.subnormal_abs_error), out)
     out = torch.where(t > fmt.max, torch.full_like(t, math.inf), out)

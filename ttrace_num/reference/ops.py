@@ -453,11 +453,13 @@ def rms_norm(
 ) -> torch.Tensor:
     """Reference ``torch.nn.functional.rms_norm``: x / sqrt(mean(x^2) + eps) * w.
 
-    ``eps=None`` means torch's default ``torch.finfo(x.dtype).eps`` (of the input dtype).
+    ``eps=None`` means torch's CPU default: ``finfo(compute dtype).eps``, where the compute
+    dtype is float32 for bf16/fp16 inputs (torch computes them in fp32) and the input dtype
+    otherwise.
     ``sum x^2`` is exact; only ``1/sqrt(mean + eps)`` is rounded (prec + 8 bits), then
     ``x_i r w_i`` is formed exactly and rounded once."""
     if eps is None:
-        eps = torch.finfo(x.dtype).eps
+        eps = torch.finfo(torch.float32 if x.dtype in (torch.bfloat16, torch.float16) else x.dtype).eps
     x64, rows, n, nshape = _norm_rows(x, normalized_shape)
     w, _ = _affine_ints(weight, None, n)
     wp = _wp(dps)
