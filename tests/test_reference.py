@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import ttrace_num.reference as R
-from ttrace_num.reference import dot as D
+
 from ttrace_num.reference import mp as MP
 
 # --------------------------------------------------------------------------- exact helpers

@@ -3,10 +3,12 @@
 Quick start::
 
     import torch, ttrace_num as tn
+    from ttrace_num.reference.dot import exact_matmul
+    from ttrace_num.testing import assert_close
     a, b = torch.randn(64, 512, dtype=torch.bfloat16), torch.randn(512, 32, dtype=torch.bfloat16)
     bound = tn.tolerance("matmul", a, b)             # bf16 storage, fp32 accumulation
     print(bound.max(), bound.explain())
-    tn.testing.assert_close(a @ b, tn.reference.dot.exact_matmul(a, b), bound=bound)
+    assert_close(a @ b, exact_matmul(a, b), bound=bound)
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Any
 
 import torch
 
-from . import bounds  # registers every error model
+from . import bounds  # noqa: F401  (importing it registers every error model)
 from .bounds.base import Bound, Explanation
 from .bounds.common import lookup, op_names
 from .bounds.summation import Summation
