@@ -1,0 +1,62 @@
+"""Errors raised by the tracer.
+
+Every error names what it is about -- the file, the rank, the step and the tensor
+where they are known -- and says what to do next. Bad input never raises a bare
+``KeyError``/``JSONDecodeError``/``SafetensorError``: those are caught and wrapped
+here so that a user reading a trace of a 512-rank run knows which file to look at.
+
+NaN/Inf values in a traced tensor are *not* errors: they are findings
+(:meth:`tracer.store.TraceReader.findings`).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+
+class TraceError(Exception):
+    """Base class of tracer errors; carries the context it is about.
+
+    Attributes ``path``, ``rank``, ``step`` and ``tensor`` are ``None`` where they
+    do not apply; the message always repeats the ones that do.
+    """
+
+    def __init__(self, message: str, *, path: str | Path | None = None, rank: int | None = None,
+                 step: int | None = None, tensor: str | None = None) -> None:
+        self.path = None if path is None else str(path)
+        self.rank = rank
+        self.step = step
+        self.tensor = tensor
+        where = [f"{k} {v}" for k, v in (("file", self.path), ("rank", rank), ("step", step),
+                                           ("tensor", tensor)) if v is not None]
+        super().__init__(f"{message} [{', '.join(where)}]" if where else message)
+
+
+class TraceWriteError(TraceError):
+    """A trace file could not be written (disk full, permissions, ...).
+
+    No partial file is left under the final name and the buffered tensors of the
+    step are kept, so the write can be retried after the cause is fixed.
+    """
+
+
+class MissingRankError(TraceError):
+    """A rank's manifest (or its tensor file) for a step is absent."""
+
+
+class CorruptTraceError(TraceError):
+    """A manifest is not valid JSON or lacks fields, or a safetensors file is truncated or corrupt."""
+
+
+class ManifestMismatchError(TraceError):
+    """A manifest disagrees with its file, its path, or the run (another model, layout or run)."""
+
+
+class IncomparableRunsError(TraceError):
+    """Two traces cannot be compared: model signature, steps or tensor names differ.
+
+    ``differences`` lists one line per differing field.
+    """
+
+    def __init__(self, differences: list[str]) -> None:
+        self.differences = list(differences)
+        super().__init__("traces are not comparable:\n  - " + "\n  - ".join(self.differences))

@@ -1,0 +1,632 @@
+"""On-disk storage of traced tensors: safetensors per rank per step + a JSON manifest.
+
+Layout (see docs/tracing-storage.md for the full schema)::
+
+    root/run.json                              written by rank 0: world size, layout,
+                                               model signature, run id, mode, versions
+    root/step_000003/rank_00001.safetensors    the rank's tensors of step 3 (full mode)
+    root/step_000003/rank_00001.json           the manifest: one entry per tensor
+
+The manifest is the commit marker: it is written *after* the tensor file, so a
+rank/step is present exactly when its manifest is. Every file is written to a
+temporary name in the same directory, fsync'ed and moved in place with
+``os.replace``, so a crash or a full disk never leaves a partial file under a final
+name. Only JSON and safetensors are read back -- never pickle -- and safetensors
+keeps the dtype, so bf16 and fp8 tensors round-trip bit-exactly.
+
+Each entry carries statistics (norm, absmax, mean, quantiles over the finite
+values, NaN and Inf counts). In ``mode="stats"`` only the manifests are written,
+which is what a long run can afford. NaN/Inf are findings, never exceptions.
+"""
+from __future__ import annotations
+
+import json
+import math
+import operator
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from tracer.errors import (CorruptTraceError, IncomparableRunsError, ManifestMismatchError,
+                           MissingRankError, TraceError, TraceWriteError)
+
+SCHEMA_VERSION = 1
+MODES = ("full", "stats")
+KNOWN_PHASES = ("fwd", "bwd", "grad", "main_grad", "param", "loss", "input", "optim")
+QUANTILES = (0.0, 0.01, 0.25, 0.5, 0.75, 0.99, 1.0)
+MAX_STAT_SAMPLES = 1 << 16
+STATS_CHUNK = 1 << 22
+RUN_FILE = "run.json"
+_STEP_RE = re.compile(r"^step_(\d{6,})$")
+_RANK_RE = re.compile(r"^rank_(\d{5,})\.json$")
+_ENTRY_FIELDS = ("key", "name", "phase", "step", "microbatch", "index", "dtype", "shape",
+                 "placement", "meta", "stats")
+_SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+                       "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64",
+                       "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+_MANIFEST_FIELDS = ("schema_version", "model_signature", "run_id", "world_size", "rank", "step",
+                    "mode", "file", "entries")
+
+
+def _library_version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("ttrace-num")
+    except Exception:  # not installed as a distribution (e.g. run from a source tree)
+        return "unknown"
+
+
+def step_dir(root: str | Path, step: int) -> Path:
+    """Directory of one step: ``root/step_{step:06d}``."""
+    return Path(root) / f"step_{step:06d}"
+
+
+def tensor_path(root: str | Path, step: int, rank: int) -> Path:
+    """Safetensors file of one rank and step."""
+    return step_dir(root, step) / f"rank_{rank:05d}.safetensors"
+
+
+def manifest_path(root: str | Path, step: int, rank: int) -> Path:
+    """Manifest of one rank and step."""
+    return step_dir(root, step) / f"rank_{rank:05d}.json"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _jsonable(value: Any, what: str, name: str | None = None) -> Any:
+    """Check that ``value`` survives strict JSON (no NaN, no objects) and return it."""
+    try:
+        return json.loads(json.dumps(value, allow_nan=False))
+    except (TypeError, ValueError) as exc:
+        raise TraceError(f"{what} must be JSON-serialisable (plain dicts, lists, str, int, finite "
+                         f"float): {exc}", tensor=name) from exc
+
+
+def tensor_stats(t: torch.Tensor, quantiles: tuple[float, ...] = QUANTILES,
+                 max_samples: int = MAX_STAT_SAMPLES, chunk: int = STATS_CHUNK) -> dict[str, Any]:
+    """Statistics of a tensor, JSON-safe (no NaN/Inf values in the result).
+
+    ``norm`` (L2), ``absmax``, ``mean`` and the quantiles are taken over the finite
+    elements only, in float64; ``nan_count`` and ``inf_count`` count the others
+    (complex tensors: over real and imaginary parts). ``norm``, ``absmax`` and
+    ``mean`` use all elements, processed ``chunk`` elements at a time so that the
+    float64 working copy stays small; the chunk norms are combined with the
+    overflow-safe ``math.hypot`` and the chunk sums with ``math.fsum``. The
+    quantiles use the finite values of a deterministic evenly strided subsample of
+    at most ``max_samples`` elements (``quantile_samples`` says how many), so they
+    are approximate on large tensors. Values are ``None`` when no element is finite.
+    """
+    x = t.detach().reshape(-1)
+    if x.is_complex():
+        x = torch.view_as_real(x).reshape(-1)
+    nan_count = inf_count = 0
+    norms, sums, absmax = [], [], 0.0
+    for c in torch.split(x, chunk):
+        c = c.to(torch.float64)
+        finite = torch.isfinite(c)
+        n_nan = int(torch.isnan(c).sum())
+        nan_count += n_nan
+        inf_count += c.numel() - int(finite.sum()) - n_nan
+        cf = c[finite]
+        if cf.numel():
+            norms.append(float(torch.linalg.vector_norm(cf)))
+            sums.append(float(cf.sum()))
+            absmax = max(absmax, float(cf.abs().max()))
+    finite_count = x.numel() - nan_count - inf_count
+    stats: dict[str, Any] = {"numel": int(x.numel()), "finite_count": int(finite_count),
+                             "nan_count": nan_count, "inf_count": inf_count}
+    if finite_count == 0:
+        stats.update(norm=None, absmax=None, mean=None, quantiles=None, quantile_samples=0)
+        return stats
+    sample = x
+    if x.numel() > max_samples:
+        sample = x[torch.linspace(0, x.numel() - 1, max_samples, dtype=torch.float64).long()]
+    sample = sample.to(torch.float64)
+    sample = sample[torch.isfinite(sample)]
+    qs = np.quantile(sample.numpy(), quantiles) if sample.numel() else [None] * len(quantiles)
+    norm = math.hypot(*norms)
+    stats.update(norm=norm if math.isfinite(norm) else None,  # float64 overflow of |x|^2
+                 absmax=absmax, mean=math.fsum(sums) / finite_count,
+                 quantiles={f"{q:g}": None if v is None else float(v) for q, v in zip(quantiles, qs)},
+                 quantile_samples=int(sample.numel()))
+    return stats
+
+
+def _fsync_dir(path: Path) -> None:
+    """Make a rename durable; best effort (some filesystems refuse directory fsync)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _write_json_atomic(path: Path, obj: Any) -> None:
+    """Write JSON to a temp file in ``path``'s directory, fsync, ``os.replace``.
+
+    Raises OSError with no temp file left behind.
+    """
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1, allow_nan=False)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        _unlink_quietly(Path(tmp))
+        raise
+
+
+def _write_safetensors_atomic(path: Path, tensors: dict[str, torch.Tensor],
+                              metadata: dict[str, str]) -> int:
+    """Write a safetensors file atomically; returns its size in bytes."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        size = os.path.getsize(tmp)
+        os.replace(tmp, path)
+        return size
+    except BaseException:
+        _unlink_quietly(Path(tmp))
+        raise
+
+
+def _unlink_quietly(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A traced tensor holding NaN or Inf values."""
+
+    step: int
+    rank: int
+    tensor: str
+    phase: str
+    key: str
+    microbatch: int
+    index: int
+    nan_count: int
+    inf_count: int
+
+    def __str__(self) -> str:
+        return (f"step {self.step} rank {self.rank} {self.phase} {self.tensor} (mb {self.microbatch}, "
+                f"index {self.index}): {self.nan_count} NaN, {self.inf_count} Inf")
+
+
+class TraceWriter:
+    """Writes one rank's trace: buffers a step's tensors, flushes them atomically.
+
+    ``layout`` is the parallel layout (e.g. ``{"tp": 2, "pp": 1, "dp": 2}``), JSON-
+    serialisable; ``model_signature`` identifies the model (architecture, config
+    hash, ...) so that traces of different models are never compared; ``run_id``
+    (optional) identifies the run, so that stale files of an older run in the same
+    directory are detected. Rank 0 writes ``root/run.json``.
+
+    Tensors are copied (``detach`` + copy to CPU) when added; the training tensors
+    are never modified. In ``mode="stats"`` only their statistics are kept.
+    """
+
+    def __init__(self, root: str | Path, rank: int, world_size: int, layout: dict[str, Any],
+                 model_signature: str, *, run_id: str = "", mode: str = "full") -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        self.root = Path(root)
+        self.rank = rank
+        self.world_size = world_size
+        self.layout = _jsonable(dict(layout), "layout")
+        self.model_signature = str(model_signature)
+        self.run_id = str(run_id)
+        self.mode = mode
+        self._pending: dict[int, dict[int, tuple[dict[str, Any], torch.Tensor | None]]] = {}
+        self._flushed: set[int] = set()
+        self.root.mkdir(parents=True, exist_ok=True)
+        if rank == 0:
+            self._write_run_file()
+
+    def run_info(self) -> dict[str, Any]:
+        """The content of ``run.json``."""
+        return {"schema_version": SCHEMA_VERSION, "library_version": _library_version(),
+                "torch_version": torch.__version__, "model_signature": self.model_signature,
+                "run_id": self.run_id, "world_size": self.world_size, "layout": self.layout,
+                "mode": self.mode}
+
+    def _write_run_file(self) -> None:
+        path = self.root / RUN_FILE
+        try:
+            _write_json_atomic(path, self.run_info())
+        except OSError as exc:
+            raise TraceWriteError(f"could not write the run file: {exc.strerror or exc}; "
+                                  "free space or fix permissions of the trace directory",
+                                  path=path, rank=self.rank) from exc
+
+    def add(self, name: str, tensor: torch.Tensor, *, phase: str, step: int, microbatch: int = 0,
+            index: int | None = None, placement: dict[str, Any] | None = None,
+            meta: dict[str, Any] | None = None) -> str:
+        """Buffer a copy of ``tensor`` for ``step``; returns its key in the file.
+
+        ``name`` is the canonical name, ``phase`` one of :data:`KNOWN_PHASES` (others
+        are accepted), ``index`` the execution order within the step on this rank
+        (next free one if ``None``; must be unique), ``placement`` the shard metadata
+        (e.g. ``{"kind": "tp_column", "dim": 0, "rank": r, "size": n}``), ``meta``
+        anything else JSON-serialisable.
+        """
+        if not isinstance(tensor, torch.Tensor):
+            raise TraceError(f"expected a torch.Tensor, got {type(tensor).__name__}",
+                             rank=self.rank, step=step, tensor=name)
+        if tensor.layout != torch.strided:
+            raise TraceError(f"only dense (strided) tensors can be traced, got {tensor.layout}; "
+                             "trace tensor.to_dense()", rank=self.rank, step=step, tensor=name)
+        if not name or not phase:
+            raise TraceError("name and phase must be non-empty", rank=self.rank, step=step,
+                             tensor=name)
+        step, microbatch = operator.index(step), operator.index(microbatch)
+        if step in self._flushed:
+            raise TraceError("this step was already flushed; adding to it would overwrite its "
+                             "file: trace each step once", rank=self.rank, step=step, tensor=name)
+        placement = _jsonable(placement or {}, "placement", name)
+        meta = _jsonable(meta or {}, "meta", name)
+        entries = self._pending.setdefault(step, {})
+        if index is None:
+            index = max(entries, default=-1) + 1
+        index = operator.index(index)
+        if index in entries:
+            raise TraceError(f"execution index {index} is already used by "
+                             f"{entries[index][0]['name']!r} in this step", rank=self.rank,
+                             step=step, tensor=name)
+        key = f"{phase}/{name}/mb{microbatch}/i{index}"
+        copy = tensor.detach().to("cpu", copy=True).contiguous()
+        entry = {"key": key, "name": name, "phase": phase, "step": step,
+                 "microbatch": int(microbatch), "index": int(index),
+                 "dtype": _dtype_name(copy.dtype), "shape": list(copy.shape),
+                 "placement": placement, "meta": meta, "stats": tensor_stats(copy)}
+        entries[index] = (entry, copy if self.mode == "full" else None)
+        return key
+
+    def pending_steps(self) -> list[int]:
+        """Steps with buffered tensors not yet flushed."""
+        return sorted(self._pending)
+
+    def flush_step(self, step: int) -> Path:
+        """Write the buffered tensors of ``step`` and their manifest; returns the manifest path.
+
+        On an OSError (disk full, ...) nothing is left under the final names, the
+        buffer is kept (so the call can be retried) and a :class:`TraceWriteError`
+        is raised.
+        """
+        step = operator.index(step)
+        entries = [e for _, e in sorted(self._pending.get(step, {}).items())]
+        sdir = step_dir(self.root, step)
+        tpath, mpath = tensor_path(self.root, step, self.rank), manifest_path(self.root, step, self.rank)
+        manifest = {"schema_version": SCHEMA_VERSION, "model_signature": self.model_signature,
+                    "run_id": self.run_id, "world_size": self.world_size, "layout": self.layout,
+                    "rank": self.rank, "step": step, "mode": self.mode, "file": None,
+                    "entries": [entry for entry, _ in entries]}
+        wrote_tensors = False
+        target = tpath
+        try:
+            sdir.mkdir(parents=True, exist_ok=True)
+            if self.mode == "full":
+                metadata = {"schema_version": str(SCHEMA_VERSION), "model_signature": self.model_signature,
+                            "run_id": self.run_id, "rank": str(self.rank), "step": str(step)}
+                size = _write_safetensors_atomic(tpath, {e["key"]: t for e, t in entries}, metadata)
+                wrote_tensors = True
+                manifest["file"] = {"name": tpath.name, "bytes": size}
+            target = mpath
+            _write_json_atomic(mpath, manifest)
+        except BaseException as exc:
+            if wrote_tensors:  # not committed without its manifest: do not leave it behind
+                _unlink_quietly(tpath)
+            if not isinstance(exc, OSError):
+                raise
+            hint = ("free disk space and call flush_step again (the step is still buffered), "
+                    "or trace with mode='stats' (manifests only)")
+            raise TraceWriteError(f"could not write the trace: {exc.strerror or exc}; no partial "
+                                  f"file was left; {hint}", path=target, rank=self.rank,
+                                  step=step) from exc
+        _fsync_dir(sdir)
+        self._pending.pop(step, None)
+        self._flushed.add(step)
+        return mpath
+
+    def close(self) -> None:
+        """Flush every pending step."""
+        for step in self.pending_steps():
+            self.flush_step(step)
+
+    def __enter__(self) -> TraceWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+
+
+class TraceReader:
+    """Reads and validates a trace directory written by :class:`TraceWriter` ranks.
+
+    Errors are :class:`~tracer.errors.TraceError` subclasses naming the file, rank,
+    step and tensor; NaN/Inf are reported by :meth:`findings`, never raised.
+    """
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        path = self.root / RUN_FILE
+        if not path.is_file():
+            raise MissingRankError("no run.json: not a trace directory, or rank 0 never started "
+                                   "tracing", path=path)
+        self.run = self._read_json(path, rank=None, step=None)
+        for field in ("schema_version", "model_signature", "world_size", "layout"):
+            if field not in self.run:
+                raise CorruptTraceError(f"run file lacks field {field!r}", path=path)
+        if self.run["schema_version"] != SCHEMA_VERSION:
+            raise ManifestMismatchError(f"schema version {self.run['schema_version']} is not the "
+                                        f"supported {SCHEMA_VERSION}", path=path)
+        self._manifests: dict[tuple[int, int], dict[str, Any]] = {}
+
+    @property
+    def world_size(self) -> int:
+        return int(self.run["world_size"])
+
+    @property
+    def model_signature(self) -> str:
+        return str(self.run["model_signature"])
+
+    @staticmethod
+    def _read_json(path: Path, rank: int | None, step: int | None) -> dict[str, Any]:
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise CorruptTraceError(f"cannot read: {exc.strerror or exc}", path=path, rank=rank,
+                                    step=step) from exc
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise CorruptTraceError(f"not valid JSON ({exc.msg} at line {exc.lineno}): the file is "
+                                    "truncated or corrupt; re-run the trace or drop this step",
+                                    path=path, rank=rank, step=step) from exc
+        if not isinstance(obj, dict):
+            raise CorruptTraceError("expected a JSON object", path=path, rank=rank, step=step)
+        return obj
+
+    def steps(self) -> list[int]:
+        """Steps that have a directory (with at least one rank's manifest or not)."""
+        if not self.root.is_dir():
+            return []
+        return sorted(int(m.group(1)) for p in self.root.iterdir()
+                      if p.is_dir() and (m := _STEP_RE.match(p.name)))
+
+    def ranks(self, step: int) -> list[int]:
+        """Ranks whose manifest for ``step`` is present."""
+        sdir = step_dir(self.root, step)
+        if not sdir.is_dir():
+            return []
+        return sorted(int(m.group(1)) for p in sdir.iterdir() if (m := _RANK_RE.match(p.name)))
+
+    def missing_ranks(self, step: int) -> list[int]:
+        """Ranks of ``range(world_size)`` with no manifest for ``step``."""
+        present = set(self.ranks(step))
+        return [r for r in range(self.world_size) if r not in present]
+
+    def manifest(self, step: int, rank: int) -> dict[str, Any]:
+        """The validated manifest of one rank and step (cached)."""
+        if (step, rank) in self._manifests:
+            return self._manifests[(step, rank)]
+        path = manifest_path(self.root, step, rank)
+        if not 0 <= rank < self.world_size:
+            raise MissingRankError(f"rank {rank} is outside the run's world size {self.world_size}",
+                                   path=path, rank=rank, step=step)
+        if not path.is_file():
+            have = self.ranks(step)
+            raise MissingRankError(f"manifest missing (ranks present for this step: {have or 'none'}); "
+                                   "that rank died before flushing or wrote elsewhere: re-run the "
+                                   "trace or drop this step", path=path, rank=rank, step=step)
+        m = self._read_json(path, rank, step)
+        lacking = [f for f in _MANIFEST_FIELDS if f not in m]
+        if lacking:
+            raise CorruptTraceError(f"manifest lacks fields {lacking}", path=path, rank=rank, step=step)
+        for field, expected in (("rank", rank), ("step", step),
+                                ("model_signature", self.model_signature),
+                                ("run_id", self.run.get("run_id", "")),
+                                ("world_size", self.world_size),
+                                ("layout", self.run["layout"]),
+                                ("schema_version", SCHEMA_VERSION)):
+            if m.get(field, expected) != expected:
+                raise ManifestMismatchError(
+                    f"manifest field {field!r} is {m[field]!r} but the run (run.json / file path) says "
+                    f"{expected!r}: this manifest belongs to another model, layout or run",
+                    path=path, rank=rank, step=step)
+        if m["mode"] not in MODES:
+            raise CorruptTraceError(f"unknown mode {m['mode']!r}", path=path, rank=rank, step=step)
+        keys: set[str] = set()
+        for i, e in enumerate(m["entries"]):
+            lacking = [f for f in _ENTRY_FIELDS if f not in e] if isinstance(e, dict) else list(_ENTRY_FIELDS)
+            if lacking:
+                raise CorruptTraceError(f"entry {i} lacks fields {lacking}", path=path, rank=rank,
+                                        step=step, tensor=e.get("name") if isinstance(e, dict) else None)
+            if e["step"] != step:
+                raise ManifestMismatchError(f"entry {i} is of step {e['step']} but sits in the manifest "
+                                            f"of step {step}", path=path, rank=rank, step=step,
+                                            tensor=e["key"])
+            if e["key"] in keys:
+                raise CorruptTraceError(f"entry {i} repeats a key", path=path, rank=rank, step=step,
+                                        tensor=e["key"])
+            keys.add(e["key"])
+        self._manifests[(step, rank)] = m
+        return m
+
+    def entries(self, step: int, rank: int) -> list[dict[str, Any]]:
+        """Manifest entries of one rank and step, in execution order."""
+        return sorted(self.manifest(step, rank)["entries"], key=lambda e: e["index"])
+
+    def entry(self, step: int, rank: int, key: str) -> dict[str, Any]:
+        """The manifest entry of ``key``."""
+        for e in self.manifest(step, rank)["entries"]:
+            if e["key"] == key:
+                return e
+        raise ManifestMismatchError("no such key in the manifest", path=manifest_path(self.root, step, rank),
+                                    rank=rank, step=step, tensor=key)
+
+    def _tensor_file(self, step: int, rank: int, tensor: str | None) -> Path:
+        m = self.manifest(step, rank)
+        path = tensor_path(self.root, step, rank)
+        if m["mode"] != "full" or m["file"] is None:
+            raise TraceError("this step was traced in stats mode: only statistics are stored, no "
+                             "tensors", path=manifest_path(self.root, step, rank), rank=rank,
+                             step=step, tensor=tensor)
+        if not path.is_file():
+            raise MissingRankError("tensor file missing although its manifest is present: re-run the "
+                                   "trace or drop this step", path=path, rank=rank, step=step,
+                                   tensor=tensor)
+        size = path.stat().st_size
+        if size != m["file"]["bytes"]:
+            raise CorruptTraceError(f"file of rank {rank} step {step} is truncated or corrupt "
+                                    f"({size} bytes, manifest says {m['file']['bytes']}): re-run "
+                                    "the trace or drop this step", path=path, rank=rank, step=step,
+                                    tensor=tensor)
+        return path
+
+    def _corrupt(self, path: Path, rank: int, step: int, tensor: str | None,
+                 exc: Exception) -> CorruptTraceError:
+        return CorruptTraceError(f"file of rank {rank} step {step} is truncated or corrupt ({exc}): "
+                                 "re-run the trace or drop this step", path=path, rank=rank,
+                                 step=step, tensor=tensor)
+
+    def load(self, step: int, rank: int, key: str) -> torch.Tensor:
+        """Load one tensor (lazily: only that tensor is read), checked against its entry."""
+        entry = self.entry(step, rank, key)
+        path = self._tensor_file(step, rank, key)
+        try:
+            with safe_open(path, framework="pt") as f:
+                if key not in f.keys():
+                    raise ManifestMismatchError("the manifest lists this tensor but the file lacks it",
+                                                path=path, rank=rank, step=step, tensor=key)
+                t = f.get_tensor(key)
+        except (SafetensorError, OSError) as exc:
+            raise self._corrupt(path, rank, step, key, exc) from exc
+        if _dtype_name(t.dtype) != entry["dtype"] or list(t.shape) != entry["shape"]:
+            raise ManifestMismatchError(f"file holds {_dtype_name(t.dtype)}{list(t.shape)}, manifest "
+                                        f"says {entry['dtype']}{entry['shape']}", path=path, rank=rank,
+                                        step=step, tensor=key)
+        return t
+
+    def verify(self, step: int, rank: int) -> None:
+        """Check a rank's step: manifest valid, and (full mode) file readable with the same keys,
+        dtypes, shapes and header metadata. Reads headers only, not tensor data."""
+        m = self.manifest(step, rank)
+        if m["mode"] != "full":
+            return
+        path = self._tensor_file(step, rank, None)
+        try:
+            with safe_open(path, framework="pt") as f:
+                keys, meta = set(f.keys()), f.metadata() or {}
+                slices = {k: f.get_slice(k) for k in keys}
+                info = {k: (s.get_dtype(), list(s.get_shape())) for k, s in slices.items()}
+        except (SafetensorError, OSError) as exc:
+            raise self._corrupt(path, rank, step, None, exc) from exc
+        if meta.get("rank") != str(rank) or meta.get("step") != str(step) or \
+                meta.get("model_signature") != self.model_signature:
+            raise ManifestMismatchError(f"file header says rank {meta.get('rank')}, step "
+                                        f"{meta.get('step')}, model {meta.get('model_signature')!r}: "
+                                        "the file was moved or belongs to another run",
+                                        path=path, rank=rank, step=step)
+        listed = {e["key"] for e in m["entries"]}
+        for key in sorted(listed ^ keys):
+            where = "the manifest lists it but the file lacks it" if key in listed else \
+                "the file holds it but the manifest does not list it"
+            raise ManifestMismatchError(where, path=path, rank=rank, step=step, tensor=key)
+        for e in m["entries"]:
+            code, shape = info[e["key"]]
+            dtype = _SAFETENSORS_DTYPES.get(code, e["dtype"])  # unknown codes: load() checks them
+            if shape != e["shape"] or dtype != e["dtype"]:
+                raise ManifestMismatchError(f"file holds {dtype}{shape}, manifest says "
+                                            f"{e['dtype']}{e['shape']}", path=path, rank=rank,
+                                            step=step, tensor=e["key"])
+
+    def validate(self, steps: list[int] | None = None) -> None:
+        """Every rank present and consistent for each of ``steps`` (default: all)."""
+        for step in self.steps() if steps is None else steps:
+            missing = self.missing_ranks(step)
+            if missing:
+                raise MissingRankError(f"ranks {missing} of world size {self.world_size} have no "
+                                       "manifest: those ranks died before flushing or wrote "
+                                       "elsewhere; re-run the trace or drop this step",
+                                       path=manifest_path(self.root, step, missing[0]),
+                                       rank=missing[0], step=step)
+            for rank in range(self.world_size):
+                self.verify(step, rank)
+
+    def names(self, step: int) -> set[tuple[str, str, int]]:
+        """(phase, canonical name, microbatch) traced by any present rank at ``step``."""
+        return {(e["phase"], e["name"], e["microbatch"]) for rank in self.ranks(step)
+                for e in self.manifest(step, rank)["entries"]}
+
+    def findings(self) -> list[Finding]:
+        """Every traced tensor with NaN or Inf values, over all present manifests, in
+        (step, rank, execution index) order. Never raises for NaN/Inf."""
+        out = []
+        for step in self.steps():
+            for rank in self.ranks(step):
+                for e in self.entries(step, rank):
+                    s = e["stats"]
+                    if s["nan_count"] or s["inf_count"]:
+                        out.append(Finding(step=step, rank=rank, tensor=e["name"], phase=e["phase"],
+                                           key=e["key"], microbatch=e["microbatch"], index=e["index"],
+                                           nan_count=s["nan_count"], inf_count=s["inf_count"]))
+        return out
+
+
+def comparability_problems(ref: TraceReader, cand: TraceReader, *,
+                           require_same_names: bool = True) -> list[str]:
+    """Reasons why a reference and a candidate trace cannot be compared (empty: comparable).
+
+    World size and layout are expected to differ (that is the point of the
+    comparison); model signature, steps and traced names must not.
+    """
+    problems = []
+    if ref.model_signature != cand.model_signature:
+        problems.append(f"model signature: reference {ref.model_signature!r} ({ref.root}), "
+                        f"candidate {cand.model_signature!r} ({cand.root})")
+    rs, cs = set(ref.steps()), set(cand.steps())
+    if rs != cs:
+        problems.append(f"steps present: only in reference {sorted(rs - cs)}, only in candidate "
+                        f"{sorted(cs - rs)}")
+    if require_same_names:
+        for step in sorted(rs & cs):
+            rn, cn = ref.names(step), cand.names(step)
+            if rn != cn:
+                fmt = lambda s: sorted(f"{p}:{n}:mb{mb}" for p, n, mb in s)[:5]  # noqa: E731
+                problems.append(f"names present at step {step}: only in reference {fmt(rn - cn)} "
+                                f"({len(rn - cn)}), only in candidate {fmt(cn - rn)} ({len(cn - rn)})")
+    return problems
+
+
+def check_comparable(ref: TraceReader, cand: TraceReader, *, require_same_names: bool = True) -> None:
+    """Raise :class:`IncomparableRunsError` listing every differing field, if any."""
+    problems = comparability_problems(ref, cand, require_same_names=require_same_names)
+    if problems:
+        raise IncomparableRunsError(problems)
