@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", ROOT / "docs" / "propagation.md", ROOT / "docs" / "tracing-storage.md"]
+DOCS = [ROOT / "README.md", ROOT / "docs" / "propagation.md", ROOT / "docs" / "tracing-storage.md", ROOT / "docs" / "tracing-hooks.md"]
 
 
 def _blocks(path: Path) -> list[str]:
