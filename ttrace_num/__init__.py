@@ -30,7 +30,7 @@ __all__ = ["tolerance", "difference", "ops", "Bound", "Explanation", "Summation"
 
 
 def tolerance(op: str, *inputs: torch.Tensor, fmt=None, compute_fmt=None,
-              mode: str = "deterministic", **op_kwargs: Any) -> Bound:
+              mode: str = "deterministic", calibration=None, **op_kwargs: Any) -> Bound:
     """Elementwise bound on ``|computed - exact|`` for ``op`` applied to ``inputs``.
 
     Args:
@@ -44,6 +44,9 @@ def tolerance(op: str, *inputs: torch.Tensor, fmt=None, compute_fmt=None,
             narrower than fp32, else ``fmt``).
         mode: ``"deterministic"`` (worst case) or ``"probabilistic"`` (per element, with
             probability ``>= 1 - failure_probability``; pass ``failure_probability=``).
+        calibration: a :class:`~ttrace_num.calibrate.Calibration` or the path of a file from
+            ``ttrace calibrate``: returns ``min(kappa * probabilistic bound, deterministic
+            bound)`` (probabilistic mode only; see :mod:`ttrace_num.calibrate`).
         op_kwargs: the operator's own arguments (``dim=``, ``eps=``, ``weight=``,
             ``summation=Summation(...)``, ``out_fmt=``...).
 
@@ -51,6 +54,9 @@ def tolerance(op: str, *inputs: torch.Tensor, fmt=None, compute_fmt=None,
         :class:`Bound`; ``Bound.abs`` broadcasts to the op's output; ``Bound.explain()`` prints
         the formula, its source and the values used.
     """
+    if calibration is not None:
+        from .calibrate import apply_calibration
+        return apply_calibration(op, inputs, calibration, fmt=fmt, compute_fmt=compute_fmt, mode=mode, **op_kwargs)
     return lookup(op)(*inputs, fmt=fmt, compute_fmt=compute_fmt, mode=mode, **op_kwargs)
 
 

@@ -3,6 +3,8 @@
 ``ttrace formats``                      table of every known format and its constants
 ``ttrace tolerance OP [inputs] [opts]``  the bound of an op on tensors from a safetensors
                                         file or on generated data; ``--json`` for machines
+``ttrace calibrate --format F [opts]``   Monte Carlo calibration of the probabilistic models
+                                        for a format (:mod:`ttrace_num.calibrate`)
 
 The parser is built by :func:`build_parser` so that other packages (the tracer) can add
 subcommands without this package importing them.
@@ -47,6 +49,13 @@ def cmd_formats(args: argparse.Namespace) -> int:
     cols = ["name", "bits", "exponent_bits", "mantissa_bits", "bias", "u", "max", "min_normal", "min_subnormal", "inf", "nan", "overflow"]
     print(_table(["format", "bits", "e", "m", "bias", "u", "max", "min normal", "min subnormal", "inf", "NaN", "overflow"],
                  [[_fmt_num(c[k]) for k in cols] for c in consts]))
+    if args.calibration:
+        from .calibrate import load
+        cal = load(args.calibration)
+        print(f"\ncalibrated constants in use for {cal.fmt_spec} (compute {cal.compute_fmt}"
+              + (f", recipe {cal.recipe}" if cal.recipe else "") + f") from {args.calibration}:")
+        for op, e in cal.ops.items():
+            print(f"  {op}: kappa={e.kappa:.4g} (threshold = kappa * probabilistic bound, per-instance p={e.p:g})")
     return 0
 
 
@@ -148,9 +157,11 @@ def cmd_tolerance(args: argparse.Namespace) -> int:
     for t in inputs:
         if t.is_floating_point() and not torch.isfinite(t.to(torch.float64)).all():
             raise SystemExit("input contains NaN/Inf; a tolerance is only defined for finite inputs")
+    if args.calibration:
+        kw["calibration"] = args.calibration
     try:
-        bound = tn.tolerance(args.op, *inputs, fmt=args.fmt, compute_fmt=args.compute_fmt, mode=args.mode,
-                             **({"failure_probability": args.failure_probability} if args.mode == "probabilistic" else {}), **kw)
+        fp = {"failure_probability": args.failure_probability} if args.mode == "probabilistic" and not args.calibration else {}
+        bound = tn.tolerance(args.op, *inputs, fmt=args.fmt, compute_fmt=args.compute_fmt, mode=args.mode, **fp, **kw)
     except (TypeError, ValueError) as e:
         raise SystemExit(f"ttrace tolerance {args.op}: {e}") from None
     atol, rtol = bound.atol_rtol()
@@ -172,7 +183,61 @@ def cmd_tolerance(args: argparse.Namespace) -> int:
     print(f"  max |err| bound     {summary['max_abs']:.6g}")
     print(f"  median |err| bound  {summary['median_abs']:.6g}")
     print(f"  covering atol/rtol  atol={atol:.3g} rtol={rtol:.3g}")
+    if args.calibration:
+        print(f"  {bound.explanation.source}")
     print(bound.explain())
+    return 0
+
+
+# ----------------------------------------------------------------- calibrate
+def _progress_bar(total: int) -> tuple[Callable[[int], None], Callable[[], None]]:
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return (lambda k: None), (lambda: None)
+    bar = tqdm(total=total, unit="inst", file=sys.stderr)
+    return bar.update, bar.close
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    import re
+
+    from .calibrate import ALL_OPS, CalibrationError, calibrate, plot
+    ops = list(ALL_OPS) if args.ops == "all" else [o.strip() for o in args.ops.split(",") if o.strip()]
+    tensors = None
+    if args.file:
+        names = args.inputs.split(",") if args.inputs else []
+        from safetensors.torch import load_file
+        loaded = _load_inputs(args.file, names)
+        tensors = dict(zip(names or list(load_file(args.file)), loaded))
+    update, close = _progress_bar(len(ops) * args.samples)
+    ratios: dict[str, torch.Tensor] = {}
+    try:
+        cal = calibrate(args.format, ops, recipe=args.recipe, compute_fmt=args.compute_fmt, samples=args.samples,
+                        seed=args.seed, distributions=args.dist.split(","), tensors=tensors, p=args.p,
+                        confidence=args.confidence, progress=update, keep=ratios)
+    except CalibrationError as e:
+        raise SystemExit(f"ttrace calibrate: {e}") from None
+    finally:
+        close()
+    tag = re.sub(r"[^A-Za-z0-9]+", "_", str(cal.format["name"])).strip("_") + (f"_{cal.recipe}" if cal.recipe else "")
+    out = args.out or f"calibration_{tag}.json"
+    cal.save(out)
+    rows = [[op, f"{e.kappa:.4g}", f"{e.kappa_point:.4g}", f"{e.n_fit}", f"{e.heldout_violations}/{e.n_heldout}",
+             f"{e.heldout_pvalue:.3g}", f"{e.ratio:.3g}"] for op, e in cal.ops.items()]
+    print(f"calibration of {cal.format['name']}" + (f" (recipe {cal.recipe})" if cal.recipe else "")
+          + f", compute {cal.compute_fmt}, per-instance p={args.p:g}, confidence {args.confidence:g}, seed {args.seed}")
+    print(_table(["op", "kappa (UCB)", "kappa (point)", "n_fit", "held-out viol.", "binom p-value",
+                  "calibrated/analytic"], rows))
+    for op, why in cal.skipped.items():
+        print(f"skipped {op}: {why}")
+    bad = [op for op, e in cal.ops.items() if e.heldout_pvalue < 0.01]
+    if bad:
+        print(f"WARNING: held-out violations too frequent for {', '.join(bad)} (binomial p < 0.01): do not use these")
+    print(f"wrote {out}")
+    if args.plots:
+        for path in plot(cal, ratios, args.plots):
+            print(f"wrote {path}")
     return 0
 
 
@@ -184,6 +249,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     f = sub.add_parser("formats", help="table of every known float format and its constants")
     f.add_argument("--custom", action="append", metavar="SPEC", help="also show a custom format, e.g. 'custom(e=3, m=2)'")
     f.add_argument("--json", action="store_true")
+    f.add_argument("--calibration", metavar="CAL.json", help="also list the calibrated constants of this file")
     f.set_defaults(func=cmd_formats)
 
     t = sub.add_parser("tolerance", help="bound on |computed - exact| for an op on given or generated inputs",
@@ -205,7 +271,29 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     t.add_argument("--kw", action="append", metavar="KEY=VALUE", help="op keyword argument, e.g. dim=-1, eps=1e-5 (repeatable)")
     t.add_argument("--save", metavar="OUT.safetensors", help="save the elementwise bound tensor")
     t.add_argument("--json", action="store_true", help="machine-readable output")
+    t.add_argument("--calibration", metavar="CAL.json", help="scale the probabilistic bound by a calibrated constant "
+                   "(file from `ttrace calibrate`)")
     t.set_defaults(func=cmd_tolerance)
+
+    c = sub.add_parser("calibrate", help="Monte Carlo calibration of the probabilistic error models for a format",
+                       epilog="examples:\n  ttrace calibrate --format e4m3 --ops all --out e4m3.json --plots plots/\n"
+                              "  ttrace calibrate --format e2m1 --recipe mx32\n"
+                              "  ttrace calibrate --format 'custom(e=3, m=2)' --ops softmax,gelu --samples 1000",
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    c.add_argument("--format", required=True, dest="format", help="format to calibrate (e4m3, e2m1, 'custom(e=3, m=2)', ...)")
+    c.add_argument("--ops", default="all", help="'all' or a comma-separated list of calibratable ops")
+    c.add_argument("--recipe", help="scaling recipe of the quantize ops: tensor, row, 1x128, 128x128, mx32")
+    c.add_argument("--compute-fmt", dest="compute_fmt", default="fp32")
+    c.add_argument("--samples", type=int, default=300, help="instances per op (half fit, half held-out)")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--p", type=float, default=0.02, help="per-instance exceedance probability of the threshold")
+    c.add_argument("--confidence", type=float, default=0.9, help="confidence of the upper bound on the quantile")
+    c.add_argument("--dist", default="normal", help=f"comma-separated distributions: {', '.join(DISTRIBUTIONS)}")
+    c.add_argument("--file", help="safetensors file whose values are sampled instead of --dist")
+    c.add_argument("--inputs", help="comma-separated tensor names in --file (default: all)")
+    c.add_argument("--out", help="output JSON (default calibration_<format>[_<recipe>].json)")
+    c.add_argument("--plots", metavar="DIR", help="write one PNG per op into DIR")
+    c.set_defaults(func=cmd_calibrate)
 
     return p, sub
 
