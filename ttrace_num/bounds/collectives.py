@@ -124,7 +124,7 @@ from ..rounding import round_to
 from .base import Bound, Explanation
 from .common import f64, register, resolve_mode
 from .summation import (Summation, accumulation_terms, conversion_exact, output_rounding, sum_difference_bound,
-                        sum_error_bound, tree_height)
+                        sum_error_bound, tree_height, float64_sum_statistics)
 
 __all__ = ["all_reduce", "reduce_scatter", "all_gather", "all_reduce_difference", "reduction_summation",
            "gloo_ring_chunks", "ring_orders", "element_size", "GLOO_MAX_SEGMENT_BYTES"]
@@ -203,14 +203,9 @@ def _on_grid(x: torch.Tensor, fmt: FloatFormat) -> bool:
 
 
 def _sum_statistics(partials: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rigorous float64 upper bounds on ``S = sum_r |x_r|`` and ``|s| = |sum_r x_r|`` over dim 0:
-    a float64 sum of ``k`` terms is within ``gamma_k(2**-53)`` (relative, of ``S``) of the exact
-    one in any order (Higham 2002, §4.2)."""
-    x = f64(partials)
-    k = x.shape[0]
-    g = k * 2.0**-53 / (1 - k * 2.0**-53)
-    s_abs = x.abs().sum(0) * (1 + g)
-    return s_abs, x.sum(0).abs() + g * s_abs
+    """Rigorous float64 upper bounds on ``S = sum_r |x_r|`` and ``|s| = |sum_r x_r|`` over dim 0."""
+    s_abs, y_mag, _ = float64_sum_statistics(partials, 0)
+    return s_abs, y_mag
 
 
 def reduction_summation(partials: torch.Tensor, fmt: FloatFormat, algorithm: CollectiveAlgorithm) -> Summation:

@@ -32,7 +32,7 @@ import torch
 
 from .base import Bound, Explanation
 from .common import f64, register, resolve_mode, resolve_precision
-from .summation import Summation, conversion_exact, sum_error_bound
+from .summation import Summation, conversion_exact, sum_error_bound, float64_sum_statistics
 
 __all__ = ["sum_", "mean"]
 
@@ -43,14 +43,11 @@ SOURCE = ("Higham, Accuracy and Stability of Numerical Algorithms (2002) §4.2; 
 def _stats(x: torch.Tensor, dim: int, keepdim: bool, summ: Summation
            ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]:
     """``(S_upper, |y|_upper, n, T_upper or None)`` along ``dim`` in float64."""
-    x64 = f64(x)
     n = x.shape[dim]
-    g = (n + 1) * 2.0 ** -53 / (1 - (n + 1) * 2.0 ** -53)
-    s = x64.abs().sum(dim, keepdim=keepdim) * (1 + g)
-    y = x64.sum(dim, keepdim=keepdim).abs() + g * s
+    s, y, g = float64_sum_statistics(x, dim, keepdim)
     t = None
     if summ.parts(n) > 1:
-        parts = torch.split(x64, summ.part_size(n), dim=dim)
+        parts = torch.split(f64(x), summ.part_size(n), dim=dim)
         t = sum(p.sum(dim, keepdim=keepdim).abs() for p in parts) * (1 + g) + g * s
     return s, y, n, t
 

@@ -565,3 +565,16 @@ def sum_difference_bound(abs_sum: torch.Tensor, magnitude: torch.Tensor, n: int,
     if mode == "probabilistic":
         values["lambda"] = lam
     return bound, values
+
+
+def float64_sum_statistics(x: torch.Tensor, dim: int, keepdim: bool = False
+                           ) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """``(S_upper, |y|_upper, g)``: rigorous upper bounds on ``S = sum |x_i|`` and ``|sum x_i|``
+    along ``dim``, computed in float64. A float64 sum of ``n`` terms in any order is within
+    ``g S`` of the exact one, ``g = gamma_n(2**-53)`` (Higham 2002, §4.2), and the computed
+    ``sum |x_i|`` is at least ``S / (1 + g)``."""
+    x64 = x.detach().to(torch.float64)
+    n = x64.shape[dim]
+    g = n * 2.0 ** -53 / (1 - n * 2.0 ** -53)
+    s = x64.abs().sum(dim, keepdim=keepdim) * (1 + g)
+    return s, x64.sum(dim, keepdim=keepdim).abs() + g * s, g

@@ -29,7 +29,8 @@ class LocalBounds:
     policy: ModelPolicy | None = None
     against_exact: bool = False
 
-    def _common(self) -> dict:
+    def common_kwargs(self) -> dict:
+        """The ``mode``/``failure_probability`` keywords every local bound is computed with."""
         if self.mode == "probabilistic" and self.failure_probability:
             return {"mode": self.mode, "failure_probability": self.failure_probability}
         return {"mode": self.mode}
@@ -43,7 +44,7 @@ class LocalBounds:
                 return []
             one = self.rounding(out, call.inputs)
             return [one] if self.against_exact else [one, one]
-        common = self._common()
+        common = self.common_kwargs()
         if self.against_exact:
             return [tn.tolerance(call.op, *call.inputs, **common, **call.kwargs).abs]
         models = self.policy(module, call.op) if self.policy else None

@@ -99,7 +99,7 @@ class NoiseInjector(TorchFunctionMode):
 
     def _grad_noise_fns(self, call: OpCall, slot: _Slot) -> list[Callable[[torch.Tensor], torch.Tensor] | None]:
         """One noise function per tensor input of ``call`` (None: no backward rounding)."""
-        common = self.local._common()
+        common = self.local.common_kwargs()
         scale = 1.0 if self.local.against_exact else 2.0
         if call.op in ("linear", "matmul"):
             x, w = call.inputs[0], call.inputs[1]

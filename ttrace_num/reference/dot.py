@@ -437,21 +437,12 @@ def exact_matmul(a: torch.Tensor, b: torch.Tensor, method: str = "dot2", certify
     if method != "dot2":
         raise ValueError(f"unknown method {method!r} (use 'dot2' or 'fsum')")
     hi, lo, err, cert, unsafe = _dot2_np(A, B)
-    if certify:
-        bad = ~cert
-        if bad.any():
-            exact_products = _fits_fp32(A) and _fits_fp32(B)
-            bi, mi, ni = np.nonzero(bad)
-            uns = None
-            if not exact_products:
-                _, u64 = _row_col_stats(A, B)
-                uns = u64[bi, mi, ni]
-            hi = hi.copy()
-            hi[bi, mi, ni] = _fsum_elements(A, B, bi, mi, ni, exact_products, uns)
-    elif unsafe.any():
-        # plain Dot2 is meaningless where the transformations were not error free
+    # recompute with fsum: uncertified elements, or (plain Dot2) elements where the
+    # transformations were not error free and Dot2 is meaningless
+    redo = ~cert if certify else unsafe
+    if redo.any():
         exact_products = _fits_fp32(A) and _fits_fp32(B)
-        bi, mi, ni = np.nonzero(unsafe)
+        bi, mi, ni = np.nonzero(redo)
         uns = None
         if not exact_products:
             _, u64 = _row_col_stats(A, B)
