@@ -65,6 +65,14 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable[..., Any], args:
     done.wait(timeout_s)
 
 
+class _PortTaken(RuntimeError):
+    """The rendezvous port was taken between :func:`free_port` and the workers' bind."""
+
+
+#: launches retried on a fresh port when the rendezvous port was taken meanwhile
+PORT_RETRIES = 5
+
+
 def run_gloo(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0,
              env: dict[str, str] | None = None) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return the results by rank.
@@ -76,6 +84,19 @@ def run_gloo(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: flo
         timeout_s: limit for the collectives (process-group timeout) and for the whole run.
         env: environment variables set in every worker before the group is created.
     """
+    for _ in range(PORT_RETRIES - 1):
+        try:
+            return _launch(fn, world_size, args, timeout_s, env)
+        except _PortTaken:
+            continue  # another process took the port: launch again on a fresh one
+    return _launch(fn, world_size, args, timeout_s, env)
+
+
+def _launch(fn: Callable[..., Any], world_size: int, args: tuple, timeout_s: float,
+            env: dict[str, str] | None) -> list[Any]:
+    """One launch on a fresh port; :class:`_PortTaken` if another process took the port first
+    (``free_port`` must release the port before the workers bind it, so this race exists
+    whenever launches run concurrently, e.g. two pytest workers)."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     done = ctx.Event()
@@ -100,6 +121,8 @@ def run_gloo(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: flo
                     raise TimeoutError(f"gloo run of {fn.__name__} exceeded {timeout_s} s") from None
                 continue
             if not ok:
+                if "EADDRINUSE" in value or "address already in use" in value.lower():
+                    raise _PortTaken(f"rendezvous port taken:\n{value}")
                 raise RuntimeError(f"gloo worker {rank} of {world_size} failed:\n{value}")
             out[rank] = value
     finally:
