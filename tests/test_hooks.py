@@ -137,7 +137,7 @@ def test_include_exclude_patterns(tmp_path):
 
 def test_name_and_placement_functions(tmp_path):
     _, entries = _trace_mlp(tmp_path, name_fn=lambda n: f"decoder.{n}" if n else "decoder",
-                            placement_fn=lambda n: {"kind": "replicated", "local": n},
+                            placement_fn=lambda n, name, t: {"kind": "replicated", "local": n},
                             capture=("fwd_out", "grad"))
     by = {(e["phase"], e["name"]): e for e in entries}
     assert ("fwd", "decoder.output") in by and ("fwd", "decoder.2.output") in by

@@ -75,7 +75,12 @@ def _join(prefix: str, leaf: str) -> str:
 
 
 def _flatten(obj: Any, path: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """(suffix, tensor) for each tensor in nested tuples/lists/dicts; suffix '' for a bare tensor."""
+    """(suffix, tensor) for each tensor in nested tuples/lists/dicts; suffix '' for a bare tensor.
+    Parameters passed or returned by a module (a tied weight, a bias returned for a later
+    fused add) are skipped: they are traced as parameters (phases grad/param), and a hook on
+    a parameter would outlive the microbatch that registered it."""
+    if isinstance(obj, nn.Parameter):
+        return
     if isinstance(obj, torch.Tensor):
         yield path, obj
     elif isinstance(obj, (tuple, list)):
@@ -105,9 +110,9 @@ class Tracer:
     matches an include pattern and neither matches an exclude pattern.
     ``capture`` is a subset of :data:`CAPTURES`. ``name_fn`` maps a local module name
     to its canonical name (default: identity); parameter names are
-    ``name_fn(module) + "." + leaf``. ``placement_fn`` maps the local module name
-    (module records) or local parameter name (grad/param records) to the writer's
-    ``placement`` dict. ``defer``: clone tensors on their device in the hooks and hand
+    ``name_fn(module) + "." + leaf``. ``placement_fn(local, name, tensor)`` maps the local
+    module name (module records) or local parameter name (grad/param records), the record's
+    canonical name and the tensor to the writer's ``placement`` dict. ``defer``: clone tensors on their device in the hooks and hand
     them to the writer at :meth:`end_step` (``None``: only tensors not on the CPU).
 
     Usage::
@@ -131,7 +136,7 @@ class Tracer:
     def __init__(self, model: nn.Module, writer: TraceWriter, *, include: Sequence[str] = ("*",),
                  exclude: Sequence[str] = (), capture: Sequence[str] = CAPTURES,
                  name_fn: Callable[[str], str] | None = None,
-                 placement_fn: Callable[[str], dict[str, Any]] | None = None,
+                 placement_fn: Callable[[str, str, torch.Tensor], dict[str, Any]] | None = None,
                  defer: bool | None = None) -> None:
         unknown = set(capture) - set(CAPTURES)
         if unknown:
@@ -237,7 +242,7 @@ class Tracer:
             meta.setdefault("module", local)
         meta.setdefault("call", call)
         if placement is None and self.placement_fn is not None and local is not None:
-            placement = self.placement_fn(local)
+            placement = self.placement_fn(local, name, tensor)
         kwargs = {"phase": phase, "step": self._step, "microbatch": mb, "index": self._index,
                   "placement": placement, "meta": meta}
         self._index += 1
@@ -274,6 +279,18 @@ class Tracer:
             raise TraceError("no step is active")
         self._microbatch += 1
         return self._microbatch
+
+    @property
+    def active(self) -> bool:
+        """True between ``begin_step`` and ``end_step``."""
+        return self._step is not None
+
+    def set_microbatch(self, microbatch: int) -> None:
+        """Number the records that follow as ``microbatch`` (e.g. a global microbatch number
+        under data parallelism, or the microbatch a pipeline schedule runs next)."""
+        if self._step is None:
+            raise TraceError("no step is active")
+        self._microbatch = int(microbatch)
 
     def end_step(self) -> None:
         """Hand deferred copies to the writer and flush the step (``writer.flush_step``)."""

@@ -40,7 +40,7 @@ from tracer.errors import (CorruptTraceError, IncomparableRunsError, ManifestMis
 
 SCHEMA_VERSION = 1
 MODES = ("full", "stats")
-KNOWN_PHASES = ("fwd", "bwd", "grad", "main_grad", "param", "loss", "input", "optim")
+KNOWN_PHASES = ("fwd", "bwd", "grad_local", "grad", "main_grad", "grad_norm", "param", "loss", "input", "optim")
 QUANTILES = (0.0, 0.01, 0.25, 0.5, 0.75, 0.99, 1.0)
 MAX_STAT_SAMPLES = 1 << 16
 STATS_CHUNK = 1 << 22

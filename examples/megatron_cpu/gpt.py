@@ -57,6 +57,12 @@ def _shape_keyed_init(seed: int, std: float):
     return init
 
 
+def _signature(sizes: dict, seed: int, dtype: str, global_batch: int) -> str:
+    """What must agree for two traces to be comparable: model sizes, seeds, batch, dtype."""
+    return "megatron-gpt:" + ",".join(f"{k}={v}" for k, v in sorted(sizes.items())) + \
+        f",seed={seed},global_batch={global_batch},dtype={dtype}"
+
+
 def _global_batch(seed: int, global_batch: int, seq: int, vocab: int):
     g = torch.Generator().manual_seed(seed)
     data = torch.randint(0, vocab, (global_batch, seq + 1), generator=g)
@@ -67,7 +73,8 @@ def build_and_train(layout: dict, steps: int = 3, seed: int = 1234, dtype: str =
                     global_batch: int = 4, micro_batch: int = 1, lr: float = 1e-3,
                     clip_grad: float = 1.0, batch_seed: int | None = None,
                     untag_sp_norm: bool = False, zero_grad_of: str | None = None,
-                    zero_grad_rank: int = 0, **config_overrides: Any) -> dict:
+                    zero_grad_rank: int = 0, trace: dict | None = None, bug: str | None = None,
+                    **config_overrides: Any) -> dict:
     """Build the tiny GPT for ``layout``, train ``steps`` Adam steps, return this rank's record.
 
     Call inside a gloo worker (``torch.distributed`` initialised, world = tp*pp*dp).
@@ -85,6 +92,12 @@ def build_and_train(layout: dict, steps: int = 3, seed: int = 1234, dtype: str =
         zero_grad_of, zero_grad_rank: negative control: on global rank ``zero_grad_rank``,
             zero the main grad of every param whose name contains ``zero_grad_of`` after the
             backward pass and before ``finalize_model_grads`` (before DP/TP reduction).
+        trace: trace the run with :class:`tracer.megatron.MegatronTracer`: ``{"root": dir,
+            "mode": "full"|"stats", "noise_samples": S, "noise_tp": T, "noise_seed": k}``.
+            ``noise_samples > 0`` (single-process reference only) also runs every step ``S``
+            times under ``ttrace_num``'s noise injector, from the same state, into
+            ``root/noise/sample_<i>`` (see :mod:`examples.megatron_cpu.traced`).
+        bug: name of a bug from :mod:`examples.megatron_cpu.bugs` to inject into this run.
         config_overrides: model sizes (``DEFAULT_MODEL`` keys) or ``TransformerConfig`` fields.
 
     Returns:
@@ -131,6 +144,7 @@ def build_and_train(layout: dict, steps: int = 3, seed: int = 1234, dtype: str =
     seq = sizes["seq_length"]
 
     t0 = time.perf_counter()
+    undo_bug = traced = None
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     try:
@@ -204,17 +218,32 @@ def build_and_train(layout: dict, steps: int = 3, seed: int = 1234, dtype: str =
         fb = get_forward_backward_func()
         losses, grad_norms, step_s = [], [], []
         last = ps.is_pipeline_last_stage()
-        for _ in range(steps):
-            ts = time.perf_counter()
+
+        def forward_backward(step_fn=forward_step):
             model.zero_grad_buffer()
             optimizer.zero_grad()
             mb_losses.clear()
             it = iter([(tokens[i * micro_batch:(i + 1) * micro_batch],
                         labels[i * micro_batch:(i + 1) * micro_batch]) for i in range(num_mb)])
-            fb(forward_step_func=forward_step, data_iterator=it, model=[model],
+            fb(forward_step_func=step_fn, data_iterator=it, model=[model],
                num_microbatches=num_mb, seq_length=seq, micro_batch_size=micro_batch,
                forward_only=False)
-            _ok, gnorm, _ = optimizer.step()
+
+        traced = None
+        if trace is not None:
+            from examples.megatron_cpu.traced import TracedRun
+            traced = TracedRun(trace, model, config, optimizer, layout=layout, dtype=dtype,
+                               num_microbatches=num_mb, signature=_signature(sizes, seed, dtype, global_batch))
+        if bug is not None:  # after the tracer: a bug acts inside the run the tracer observes
+            from examples.megatron_cpu.bugs import inject
+            undo_bug = inject(bug, model=model, config=config, optimizer=optimizer)
+        for step in range(steps):
+            ts = time.perf_counter()
+            if traced is None:
+                forward_backward()
+                _ok, gnorm, _ = optimizer.step()
+            else:
+                gnorm = traced.step(step, forward_backward, forward_step)
             step_s.append(time.perf_counter() - ts)
             loss = torch.stack(mb_losses).mean() if (last and mb_losses) else torch.zeros(())
             loss = loss.float()
@@ -226,6 +255,11 @@ def build_and_train(layout: dict, steps: int = 3, seed: int = 1234, dtype: str =
                 "ranks": {"tp": ps.get_tensor_model_parallel_rank(),
                           "pp": ps.get_pipeline_model_parallel_rank(), "dp": dp_rank},
                 "losses": losses, "grad_norms": grad_norms, "step_s": step_s, "build_s": build_s,
-                "num_microbatches": num_mb, "dtype": dtype}
+                "num_microbatches": num_mb, "dtype": dtype,
+                "trace": traced.summary() if traced is not None else None}
     finally:
+        if traced is not None:
+            traced.close()
+        if undo_bug is not None:
+            undo_bug()
         ps.destroy_model_parallel()

@@ -24,8 +24,10 @@ and returns, per named tensor, the largest deviation seen.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -35,7 +37,11 @@ from ..formats import get_format, half_ulp
 from .calls import OpCall, classify
 from .local import LocalBounds, ModelPolicy
 
-__all__ = ["NoiseInjector", "measure_propagation", "Propagation"]
+if TYPE_CHECKING:
+    from ..bounds.summation import Summation
+    from ..calibrate import Calibration
+
+__all__ = ["NoiseInjector", "measure_propagation", "Propagation", "perturb_custom_backward"]
 
 
 class _Slot:
@@ -48,7 +54,7 @@ class _CaptureGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, slot):
         ctx.slot = slot
-        return t.view_as(t)
+        return t.clone()  # not a view: callers may modify the result in place (masked_fill_)
 
     @staticmethod
     def backward(ctx, g):
@@ -62,7 +68,7 @@ class _PerturbGrad(torch.autograd.Function):
     @staticmethod
     def forward(ctx, t, noise_fn):
         ctx.noise_fn = noise_fn
-        return t.view_as(t)
+        return t.clone()  # not a view: callers may modify the result in place (masked_fill_)
 
     @staticmethod
     def backward(ctx, g):
@@ -77,14 +83,22 @@ class NoiseInjector(TorchFunctionMode):
         mode, failure_probability, policy, against_exact: as for the analytic shadow; they
             select the local bound of each op.
         backward: also perturb gradients.
+        grad_summation: the summation model of the *other* run for the sums over tokens that
+            make parameter-like gradients (norm weight/bias, broadcast biases), e.g.
+            ``Summation(split=tp, reduce_fmt="bf16")`` for a run whose sequence is split over
+            ``tp`` ranks; None: the default model.
+        calibration: a calibration (or its file) for the forward bounds of the ops it
+            calibrates (:class:`~.local.LocalBounds`); the gradient bounds stay analytic.
     """
 
     def __init__(self, generator: torch.Generator, mode: str = "deterministic",
                  failure_probability: float | None = None, policy: ModelPolicy | None = None,
-                 against_exact: bool = False, backward: bool = True, module_of: Callable[[], str] | None = None):
+                 against_exact: bool = False, backward: bool = True, module_of: Callable[[], str] | None = None,
+                 calibration: "Calibration | str | None" = None, grad_summation: "Summation | None" = None):
         super().__init__()
         self.gen = generator
-        self.local = LocalBounds(mode, failure_probability, policy, against_exact)
+        self.grad_summation = grad_summation
+        self.local = LocalBounds(mode, failure_probability, policy, against_exact, calibration)
         self.backward = backward
         self.module_of = module_of or (lambda: "")
         self.perturbed = 0
@@ -121,13 +135,58 @@ class NoiseInjector(TorchFunctionMode):
                 return self._noise(scale * b.reshape(g.shape), g.shape)
 
             fns: list = [gx, gw]
-            if len(call.inputs) > 2:
-                fns.append(lambda g: self._noise(scale * tn.tolerance(
-                    "sum", slot.g.reshape(-1, slot.g.shape[-1]), dim=0, **common).abs, g.shape))
+            if len(call.inputs) > 2:  # bias: sum of the output gradient over the tokens
+                fns.append(self._sum_noise(lambda: slot.g, call.inputs[2].shape, call.inputs[2].dtype))
             return fns
-        if call.op in ("add", "add_scalar") or (call.kind == "rounding" and call.exact):
+        if call.op == "add":  # a broadcast input's gradient is a sum over the broadcast dims
+            return [self._broadcast_sum_noise(t, slot) if isinstance(t, torch.Tensor) else None
+                    for t in call.inputs]
+        if call.op == "add_scalar" or (call.kind == "rounding" and call.exact):
             return [None] * len(call.inputs)  # gradient passes through exactly
         return [self._grad_rounding] * len(call.inputs)
+
+    def _sum_noise(self, terms: Callable[[], torch.Tensor], shape: torch.Size, dtype: torch.dtype
+                   ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Noise for a parameter-like gradient ``sum_k terms()[k]`` (shape ``(K, *shape)``): the
+        sum bound under ``grad_summation`` (e.g. split over TP ranks under sequence
+        parallelism), twice for two runs."""
+        scale = 1.0 if self.local.against_exact else 2.0
+        kw = {**self.local.common_kwargs(), **({"summation": self.grad_summation} if self.grad_summation else {})}
+
+        def fn(g: torch.Tensor) -> torch.Tensor:
+            t = terms().detach().to(dtype).reshape(-1, *shape)
+            return self._noise(scale * tn.tolerance("sum", t, dim=0, **kw).abs.reshape(g.shape), g.shape)
+        return fn
+
+    def _broadcast_sum_noise(self, t: torch.Tensor, slot: _Slot):
+        """Gradient noise of an ``add`` input broadcast along leading dims (a bias): None when
+        ``t`` is not broadcast (its gradient passes through exactly)."""
+        def terms():
+            return slot.g
+        if not t.requires_grad or t.dim() == 0:
+            return None
+        return lambda g: (self._sum_noise(terms, t.shape, g.dtype)(g) if slot.g is not None
+                          and slot.g.numel() > t.numel() and tuple(slot.g.shape[-t.dim():]) == tuple(t.shape)
+                          else torch.zeros(g.shape, dtype=torch.float64))
+
+    def _norm_param_noise(self, call: OpCall, slot: _Slot) -> dict[int, Callable]:
+        """Gradient noise of a norm's weight and bias: sums over the tokens of
+        ``g * x_hat`` and ``g`` (see :meth:`_sum_noise`). Keys: argument positions 2, 3."""
+        x, shape = call.inputs[0].detach().double(), tuple(call.kwargs["normalized_shape"])
+        dims = tuple(range(-len(shape), 0))
+        eps = call.kwargs["eps"]
+        if call.op == "layer_norm":
+            xc = x - x.mean(dims, keepdim=True)
+            xhat = xc / torch.sqrt((xc * xc).mean(dims, keepdim=True) + eps)
+        else:
+            xhat = x / torch.sqrt((x * x).mean(dims, keepdim=True) + eps)
+        out = {}
+        w, b = call.kwargs.get("weight"), call.kwargs.get("bias")
+        if isinstance(w, torch.Tensor) and w.requires_grad:
+            out[2] = self._sum_noise(lambda: slot.g.double() * xhat, w.shape, w.dtype)
+        if isinstance(b, torch.Tensor) and b.requires_grad:
+            out[3] = self._sum_noise(lambda: slot.g, b.shape, b.dtype)
+        return out
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -139,6 +198,8 @@ class NoiseInjector(TorchFunctionMode):
         if self.backward and torch.is_grad_enabled():
             fns = self._grad_noise_fns(call, slot)
             args = tuple(_wrap(a, call.inputs, fns) for a in args)
+            if call.op in ("layer_norm", "rms_norm"):
+                args, kwargs = _wrap_norm_params(args, kwargs, self._norm_param_noise(call, slot))
             call = classify(func, args, kwargs)  # inputs are now the wrapped tensors
         out = func(*args, **kwargs)
         b = self.local.of(call, out, self.module_of())
@@ -162,6 +223,45 @@ def _wrap(a, inputs: tuple, fns: list):
     return a
 
 
+@contextlib.contextmanager
+def perturb_custom_backward(injector: NoiseInjector, *functions: type) -> Iterator[None]:
+    """Run the backward of the given ``torch.autograd.Function`` classes under ``injector``.
+
+    Autograd calls a custom Function's ``backward`` without the torch-function modes that
+    were active around ``loss.backward()`` (measured, torch 2.13), so the GEMMs inside, e.g.
+    megatron-core's ``LinearWithGradAccumulationAndAsyncCommunication`` (input and weight
+    gradients of every tensor-parallel linear), would escape the injector. Inside the patched
+    backward they are ordinary (no-grad) op calls, perturbed by their local bound.
+    """
+    saved = {f: f.__dict__["backward"] for f in functions}
+
+    def patched(orig):
+        def backward(ctx, *grads):
+            with injector:
+                return orig.__func__(ctx, *grads)
+        return staticmethod(backward)
+    try:
+        for f, orig in saved.items():
+            f.backward = patched(orig)
+        yield
+    finally:
+        for f, orig in saved.items():
+            f.backward = orig
+
+
+def _wrap_norm_params(args: tuple, kwargs: dict, fns: dict[int, Callable]) -> tuple[tuple, dict]:
+    """``F.layer_norm``/``F.rms_norm`` arguments with weight (position 2) and bias (3), given
+    positionally or by keyword, wrapped to get gradient noise."""
+    names = {2: "weight", 3: "bias"}
+    args, kwargs = list(args), dict(kwargs)
+    for pos, fn in fns.items():
+        if len(args) > pos:
+            args[pos] = _PerturbGrad.apply(args[pos], fn)
+        elif names[pos] in kwargs:
+            kwargs[names[pos]] = _PerturbGrad.apply(kwargs[names[pos]], fn)
+    return tuple(args), kwargs
+
+
 @dataclass
 class Propagation:
     """Largest deviation per named tensor over the noisy samples, and the clean values."""
@@ -179,7 +279,8 @@ def measure_propagation(run: Callable[[], dict[str, torch.Tensor]], samples: int
 
     ``run`` must be deterministic apart from the injected noise (same weights, same data)
     and returns the tensors to watch, e.g. ``{"out": y, "grad.fc1.weight": fc1.weight.grad}``.
-    Returns the elementwise max deviation from the clean run per name.
+    Returns the elementwise max deviation from the clean run per name. ``injector_kwargs``
+    go to :class:`NoiseInjector` (e.g. ``mode="probabilistic", calibration="e4m3.json"``).
     """
     clean = {k: v.detach().double().clone() for k, v in run().items()}
     dev = {k: torch.zeros_like(v) for k, v in clean.items()}

@@ -1,0 +1,334 @@
+"""Compare a candidate trace with its reference: per-tensor error, threshold, first divergence.
+
+:func:`compare` reads a reference trace (single device, with noise samples under
+``ref/noise/sample_*``, see :mod:`tracer.thresholds`) and a candidate trace (any layout),
+and for every tensor both traced, in the reference's execution order:
+
+1. assembles the candidate's shards into the full tensor (:func:`tracer.canonical.assemble`,
+   from the placements each rank wrote) and checks that replicated copies agree bitwise
+   (they are computed from identical inputs by identical code on every rank);
+2. computes the error ``||cand - ref||_2`` (and the largest elementwise difference, with
+   the candidate rank that holds it) and the threshold from the noise samples;
+3. marks the tensor ``over`` when ``error > threshold``, ``nonfinite`` when the candidate
+   has NaN/Inf where the reference does not, ``replicas`` when copies disagree.
+
+The *first divergence* is the first non-``ok`` tensor in the reference's execution order
+(step by step: forward and backward of each microbatch, then the grads each rank
+contributes, the reduced grads, the grad norm and the updated parameters). It is then
+*localised*: a forward output whose module's inputs all agree is a wrong module; a reduced
+grad whose per-rank contributions agree is a wrong reduction; an updated parameter whose
+reduced grad agrees is a wrong optimizer step (:func:`localise`).
+"""
+from __future__ import annotations
+
+import math
+import sys
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tracer.canonical import Placement, assemble, shard
+from tracer.errors import IncomparableRunsError, TraceError
+from tracer.store import TraceReader
+from tracer.thresholds import DEFAULT_FALSE_ALARM, noise_threshold
+
+__all__ = ["TensorCheck", "Comparison", "compare", "noise_dirs", "localise"]
+
+Key = tuple[str, str, int, int]  # phase, name, microbatch, call
+
+
+@dataclass
+class TensorCheck:
+    """The verdict on one traced tensor of one step."""
+
+    step: int
+    phase: str
+    name: str
+    microbatch: int
+    call: int
+    index: int                 # execution index in the reference
+    module: str
+    shape: list[int]
+    dtype: str
+    status: str                # ok | over | nonfinite | replicas | unchecked
+    error: float               # ||cand - ref||_2
+    threshold: float
+    ratio: float               # error / threshold (inf when threshold is 0 and error > 0)
+    max_abs: float             # largest |cand - ref| element
+    ref_norm: float
+    n_eff: float = 0.0
+    factor: float = 0.0
+    worst_ranks: list[int] = field(default_factory=list)  # candidate ranks holding the worst element
+    note: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"step {self.step} {self.phase} {self.name} (mb {self.microbatch})"
+
+
+@dataclass
+class Comparison:
+    """Everything :func:`compare` found."""
+
+    reference: str
+    candidate: str
+    candidate_layout: dict[str, Any]
+    rows: list[TensorCheck]
+    first: TensorCheck | None
+    localisation: str
+    unmatched: list[str]
+    noise_samples: int
+    false_alarm: float
+
+    @property
+    def verdict(self) -> str:
+        return "consistent" if self.first is None else "DIVERGENT"
+
+    @property
+    def max_ratio_ok(self) -> float:
+        """Largest error/threshold among the tensors within threshold (the safety margin)."""
+        return max((r.ratio for r in self.rows if r.status == "ok" and math.isfinite(r.ratio)), default=0.0)
+
+    def counts(self) -> dict[str, int]:
+        c: dict[str, int] = defaultdict(int)
+        for r in self.rows:
+            c[r.status] += 1
+        return dict(c)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"verdict": self.verdict, "reference": self.reference, "candidate": self.candidate,
+                "candidate_layout": self.candidate_layout, "counts": self.counts(),
+                "max_ratio_within_threshold": self.max_ratio_ok, "noise_samples": self.noise_samples,
+                "false_alarm_per_tensor": self.false_alarm,
+                "first_divergence": None if self.first is None else asdict(self.first),
+                "localisation": self.localisation, "unmatched": self.unmatched,
+                "tensors": [asdict(r) for r in self.rows]}
+
+
+def noise_dirs(ref_root: str | Path) -> list[Path]:
+    """The noise-sample traces of a reference (``ref/noise/sample_*``), sorted."""
+    base = Path(ref_root) / "noise"
+    return sorted(p for p in base.glob("sample_*") if (p / "run.json").is_file()) if base.is_dir() else []
+
+
+def _key(e: dict[str, Any]) -> Key:
+    return (e["phase"], e["name"], int(e["microbatch"]), int(e["meta"].get("call", 0)))
+
+
+def _index_by_key(reader: TraceReader, step: int) -> dict[Key, dict[int, dict[str, Any]]]:
+    """key -> {rank: entry} over every present rank of ``step``."""
+    out: dict[Key, dict[int, dict[str, Any]]] = defaultdict(dict)
+    for rank in reader.ranks(step):
+        for e in reader.entries(step, rank):
+            out[_key(e)][rank] = e
+    return out
+
+
+def _full(reader: TraceReader, step: int, entries: dict[int, dict[str, Any]], name: str
+          ) -> tuple[torch.Tensor, list[str]]:
+    """Assembled full tensor of one key, and notes on disagreeing replicas."""
+    shards = {r: reader.load(step, r, e["key"]) for r, e in entries.items()}
+    placements = {r: e["placement"] or {"dims": []} for r, e in entries.items()}
+    try:
+        full, report = assemble(shards, placements, name=name)
+    except ValueError as exc:
+        raise TraceError(f"cannot assemble the candidate's shards: {exc}", path=reader.root, step=step,
+                         tensor=name) from exc
+    notes = [f"replicas over {d.group} differ: ranks {list(d.reference)} vs {list(d.other)}, "
+             f"max |diff| {d.max_abs_diff:.3g}" for d in report.replicas if not d.equal]
+    return full, notes
+
+
+def _worst_ranks(full_shape: tuple[int, ...], flat_index: int, entries: dict[int, dict[str, Any]]) -> list[int]:
+    """Candidate ranks whose shard holds element ``flat_index`` of the full tensor."""
+    numel = math.prod(full_shape)
+    if numel == 0 or numel > 1 << 26:
+        return []
+    ids = torch.arange(numel, dtype=torch.int64).reshape(full_shape)
+    out = []
+    for r, e in entries.items():
+        pl = Placement.from_dict(e["placement"] or {"dims": []})
+        if any(d.kind == "partial" for d in pl.dims):
+            out.append(r)
+            continue
+        try:
+            if bool((shard(ids, pl) == flat_index).any()):
+                out.append(r)
+        except (ValueError, RuntimeError):
+            continue
+    return sorted(out)
+
+
+def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, cand_t: torch.Tensor,
+               notes: list[str], noisy: list[torch.Tensor], false_alarm: float,
+               cand_entries: dict[int, dict[str, Any]]) -> TensorCheck:
+    phase, name, mb, call = key
+    base = dict(step=step, phase=phase, name=name, microbatch=mb, call=call, index=int(ref_e["index"]),
+                module=str(ref_e["meta"].get("module", ref_e["meta"].get("param", ""))),
+                shape=list(ref_t.shape), dtype=str(ref_e["dtype"]))
+    if tuple(cand_t.shape) != tuple(ref_t.shape):
+        return TensorCheck(**base, status="over", error=math.inf, threshold=0.0, ratio=math.inf,
+                           max_abs=math.inf, ref_norm=float(ref_t.double().norm()),
+                           note=f"shape {list(cand_t.shape)} in the candidate vs {list(ref_t.shape)} in the "
+                                "reference (a wrong placement or a wrong computation)")
+    r, c = ref_t.detach().double(), cand_t.detach().double()
+    ref_norm = float(torch.linalg.vector_norm(r[torch.isfinite(r)])) if r.numel() else 0.0
+    rf, cf = torch.isfinite(r), torch.isfinite(c)
+    if not bool(torch.equal(rf, cf) and torch.equal(r[~rf].nan_to_num(1.0, 2.0, -2.0),
+                                                         c[~cf].nan_to_num(1.0, 2.0, -2.0))):
+        bad = (~cf & rf).nonzero()
+        where = f" first at index {bad[0].tolist()}" if len(bad) else ""
+        return TensorCheck(**base, status="nonfinite", error=math.inf, threshold=0.0, ratio=math.inf,
+                           max_abs=math.inf, ref_norm=ref_norm,
+                           note=f"NaN/Inf pattern differs from the reference: {int((~cf).sum())} non-finite "
+                                f"in the candidate, {int((~rf).sum())} in the reference;{where}")
+    diff = (c - r).masked_fill(~rf, 0.0)
+    max_abs = float(diff.abs().max()) if diff.numel() else 0.0
+    excess = _storage_rounding_excess(phase, ref_t.dtype, r.masked_fill(~rf, 0.0))
+    err_vec = excess(c.masked_fill(~rf, 0.0))
+    error = float(torch.linalg.vector_norm(err_vec)) if err_vec.numel() else 0.0
+    if not noisy:
+        return TensorCheck(**base, status="unchecked", error=error, threshold=math.nan, ratio=math.nan,
+                           max_abs=max_abs, ref_norm=ref_norm, note="no noise sample traced this tensor")
+    zero = torch.zeros_like(r)
+    th = noise_threshold(zero, [excess(n.double().masked_fill(~rf, 0.0)) for n in noisy], false_alarm)
+    ratio = error / th.threshold if th.threshold > 0 else (0.0 if error == 0 else math.inf)
+    status = "over" if ratio > 1 else "ok"
+    note = "; ".join(notes)
+    if notes:
+        status = "replicas" if status == "ok" else status
+    worst = []
+    if status != "ok" and diff.numel():
+        worst = _worst_ranks(tuple(ref_t.shape), int(diff.abs().reshape(-1).argmax()), cand_entries)
+    return TensorCheck(**base, status=status, error=error, threshold=th.threshold, ratio=ratio, max_abs=max_abs,
+                       ref_norm=ref_norm, n_eff=th.n_eff, factor=th.factor, worst_ranks=worst, note=note)
+
+
+def _storage_rounding_excess(phase: str, dtype: torch.dtype, ref: torch.Tensor):
+    """``x -> |x - ref|`` elementwise, less one unit in the last place of the stored format
+    for parameters after the update (phase ``param``) stored in a format narrower than fp32.
+
+    Such a parameter is the rounding of an fp32 main parameter; two runs whose main
+    parameters differ legitimately by far less than an ulp of the stored format still store
+    values one ulp apart when they straddle a rounding boundary. That flip is legitimate and
+    is at most one ulp of the larger magnitude (round to nearest of two values that differ by
+    less than an ulp), so only the part of a difference beyond it is counted, in the
+    candidate's error and in the noise samples' deviations alike.
+    """
+    if phase != "param" or dtype not in (torch.bfloat16, torch.float16):
+        return lambda x: (x - ref).abs()
+    from ttrace_num.formats import get_format, half_ulp
+    fmt = get_format(dtype)
+    return lambda x: ((x - ref).abs() - 2 * half_ulp(torch.maximum(x.abs(), ref.abs()), fmt)).clamp_min(0.0)
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, desc="compare", unit="tensor", file=sys.stderr, leave=False)
+
+
+def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str | Path] | None = None,
+            steps: Iterable[int] | None = None, false_alarm: float = DEFAULT_FALSE_ALARM,
+            progress: bool = False) -> Comparison:
+    """Check ``candidate`` against ``reference`` (trace directories); see the module docstring.
+
+    ``noise``: noise-sample trace directories (default: ``reference/noise/sample_*``).
+    Raises :class:`~tracer.errors.IncomparableRunsError` when the traces are of different
+    models or share no step, and :class:`~tracer.errors.TraceError` (naming file, rank,
+    step and tensor) for missing ranks and corrupt files. NaN/Inf are findings (status
+    ``nonfinite``), never exceptions.
+    """
+    ref, cand = TraceReader(reference), TraceReader(candidate)
+    dirs = list(noise) if noise is not None else noise_dirs(reference)
+    noisy_readers = [TraceReader(d) for d in dirs]
+    if ref.model_signature != cand.model_signature:
+        raise IncomparableRunsError([f"model signature: reference {ref.model_signature!r} ({ref.root}), "
+                                     f"candidate {cand.model_signature!r} ({cand.root})"])
+    common = sorted(set(ref.steps()) & set(cand.steps()))
+    wanted = common if steps is None else [s for s in steps if s in common]
+    unmatched = [f"step {s}: only in the {'reference' if s in ref.steps() else 'candidate'}"
+                 for s in sorted(set(ref.steps()) ^ set(cand.steps()))]
+    if not wanted:
+        raise IncomparableRunsError([f"no common step: reference has {ref.steps()}, candidate {cand.steps()}"])
+    for n in noisy_readers:
+        if n.model_signature != ref.model_signature:
+            raise IncomparableRunsError([f"noise sample {n.root} is of model {n.model_signature!r}, "
+                                         f"the reference of {ref.model_signature!r}"])
+    for s in wanted:
+        cand.validate([s])
+        ref.validate([s])
+    plan = []
+    for s in wanted:
+        ref_idx, cand_idx = _index_by_key(ref, s), _index_by_key(cand, s)
+        noise_idx = [_index_by_key(n, s) if s in n.steps() else {} for n in noisy_readers]
+        for k in sorted(set(ref_idx) ^ set(cand_idx)):
+            unmatched.append(f"step {s} {k[0]} {k[1]} mb {k[2]}: only in the "
+                             f"{'reference' if k in ref_idx else 'candidate'}")
+        for k, ents in ref_idx.items():
+            if k in cand_idx:
+                plan.append((s, k, ents[0], cand_idx[k], [ni.get(k, {}).get(0) for ni in noise_idx]))
+    plan.sort(key=lambda p: (p[0], p[2]["index"]))
+    bar = _progress(len(plan), progress)
+    rows = []
+    for s, k, ref_e, cand_entries, noise_es in plan:
+        ref_t = ref.load(s, 0, ref_e["key"])
+        cand_t, notes = _full(cand, s, cand_entries, k[1])
+        noisy = [n.load(s, 0, e["key"]) for n, e in zip(noisy_readers, noise_es) if e is not None]
+        if len(noisy) != len(noise_es):
+            noisy = []
+        rows.append(_check_one(s, k, ref_e, ref_t, cand_t, notes, noisy, false_alarm, cand_entries))
+        if bar is not None:
+            bar.update(1)
+    if bar is not None:
+        bar.close()
+    first = next((r for r in rows if r.status not in ("ok", "unchecked")), None)
+    return Comparison(str(reference), str(candidate), cand.run.get("layout", {}), rows, first,
+                      localise(rows, first), unmatched, len(noisy_readers), false_alarm)
+
+
+def localise(rows: list[TensorCheck], first: TensorCheck | None) -> str:
+    """Local or propagated? Look at what fed the first divergent tensor (see module doc)."""
+    if first is None:
+        return ""
+    same = [r for r in rows if r.step == first.step]
+
+    def worst(cands: list[TensorCheck]) -> str:
+        top = max(cands, key=lambda r: r.ratio if math.isfinite(r.ratio) else 1e300)
+        return f"{top.name} at {top.ratio:.2g}x its threshold"
+
+    if first.status == "replicas" or "replicas over" in first.note:
+        return (f"the copies of {first.name} that the candidate's metadata marks as replicated differ across "
+                f"ranks ({first.note}): a reduction over that group is missing, or a rank skipped or "
+                "repeated a collective on this tensor")
+    if first.phase == "fwd" and ".output" in first.name:
+        mod = first.name.split(".output")[0]
+        ins = [r for r in same if r.microbatch == first.microbatch and r.phase == "fwd"
+               and r.name.startswith(mod + ".input")]
+        if ins and all(r.status == "ok" for r in ins):
+            return (f"module {mod or '(root)'} is wrong: its inputs agree with the reference "
+                    f"(worst {worst(ins)}) but its output does not")
+        return f"the output of {mod} diverges; its inputs were not traced, so the module may be wrong"
+    if first.phase == "grad":
+        local = [r for r in same if r.phase == "grad_local" and r.name == first.name]
+        if local and all(r.status == "ok" for r in local):
+            return (f"the cross-rank reduction of {first.name}'s gradient is wrong: every rank's contribution "
+                    f"agrees with the reference (worst {worst(local)}) but the reduced gradient does not")
+        return f"the gradient of {first.name} is already wrong before the reduction"
+    if first.phase == "param":
+        g = [r for r in same if r.phase == "grad" and r.name == first.name]
+        if g and all(r.status == "ok" for r in g):
+            return (f"the optimizer update of {first.name} is wrong: its reduced gradient agrees with the "
+                    f"reference (worst {worst(g)})")
+    if first.phase == "bwd":
+        return (f"the gradient flowing into {first.name.split('.output_grad')[0]} diverges first: the "
+                "module that consumes this tensor computes a wrong backward (the forward agreed)")
+    return f"{first.name} is the first tensor over its threshold"

@@ -1,0 +1,320 @@
+"""Tracing a megatron-core model: canonical names, shard placements and the grad/step hooks.
+
+:class:`MegatronTracer` wraps a :class:`tracer.hooks.Tracer` around the *unwrapped*
+``GPTModel`` (or any megatron-core module) of one rank and derives everything the
+checker needs from Megatron's own metadata, never from the user:
+
+* **names**: ``decoder.layers.<i>`` is renumbered to the global layer index with the
+  stage's offset (:func:`tracer.canonical.layer_offset`, which mirrors megatron-core's
+  ``get_transformer_layer_offset``; virtual pipeline chunks included), so every layout
+  uses the single-device names.  The tied output-layer weight of the last pipeline stage
+  is the word-embedding weight of the first stage (``share_embeddings_and_output_weights``).
+* **parameter placements** from ``param.tensor_model_parallel`` / ``partition_dim``
+  (TP column/row/vocab shards) and ``param.sequence_parallel`` (TP-replicated params whose
+  grads megatron all-reduces under SP); parameters are replicated over DP, and under the
+  distributed optimizer the *reduced* grads are this rank's flat range of the param in
+  its DDP bucket (``bucket.param_to_index``, reduce-scatter shard ``dp_rank``).
+* **activation placements** per module class (:data:`ACTIVATION_RULES`): megatron keeps
+  hidden states as ``[s, b, h]``; under sequence parallelism the tensors between TP regions
+  are split along ``s`` (dim 0) over TP; column-parallel outputs and attention heads are
+  split over TP along their last (head) dim; row-parallel inputs likewise.
+* **phases**: ``fwd`` and ``bwd`` (module hooks, per microbatch, numbered globally over DP
+  ranks so that DP replicas of a layer are told apart), ``loss``, ``grad_local`` (the
+  ``main_grad`` each rank contributes to the reduction, i.e. scaled by megatron's
+  ``1/dp`` factor, before ``finalize_model_grads``), ``grad`` (after it), ``grad_norm`` and
+  ``param`` (after ``optimizer.step()``).
+
+Usage (inside the training loop of every rank; see docs/tracing.md)::
+
+    mt = MegatronTracer(ddp_model, config, TraceWriter(root, rank, world, layout, signature))
+    for step in range(steps):
+        with mt.step(step):
+            forward_backward_func(..., forward_step_func=mt.wrap_forward_step(forward_step))
+            ok, grad_norm, _ = optimizer.step()
+            mt.after_optimizer_step(grad_norm)
+    mt.remove()
+"""
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import re
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from tracer.canonical import Placement, ShardDim, layer_offset, renumber
+from tracer.hooks import Tracer
+from tracer.store import TraceWriter
+
+__all__ = ["MegatronTracer", "ACTIVATION_RULES", "parallel_layout", "unwrap"]
+
+#: Role of each traced tensor of a module class -> how it is split over TP.
+#: Values: ``"seq"`` (dim 0 split over TP under sequence parallelism, else replicated),
+#: ``"last"`` (last dim split over TP), ``("dim", d)`` (dim ``d`` split over TP),
+#: ``"rep"`` (replicated over TP), ``"stages"`` (replicated over TP and every pipeline stage
+#: builds it, e.g. the rotary table). Keys are record suffixes (``input.0``, ``input.hidden_states``,
+#: ``output.0``...) or ``"*"`` for the default of the class.
+ACTIVATION_RULES: dict[str, dict[str, Any]] = {
+    "VocabParallelEmbedding": {"input.0": "rep", "*": "seq"},
+    "LanguageModelEmbedding": {"input.input_ids": "rep", "input.position_ids": "rep", "*": "seq"},
+    "RotaryEmbedding": {"*": "stages"},
+    "ColumnParallelLinear": {"input.0": "seq", "input.weight": ("dim", 0), "output.0": "last",
+                             "output.1": ("dim", 0), "*": "rep"},
+    "RowParallelLinear": {"input.0": "last", "output.0": "seq", "*": "rep"},
+    "DotProductAttention": {"input.0": ("dim", 2), "input.1": ("dim", 2), "input.2": ("dim", 2),
+                            "output": "last", "*": "rep"},
+    "FusedScaleMaskSoftmax": {"input.0": ("dim", 1), "output": ("dim", 1), "*": "rep"},
+    "SelfAttention": {"input.0": "seq", "input.hidden_states": "seq", "output.0": "seq", "*": "rep"},
+    "MLP": {"input.0": "seq", "output.0": "seq", "*": "rep"},
+    "TransformerLayer": {"input.hidden_states": "seq", "output.0": "seq", "*": "rep"},
+}
+_NORMS = ("LayerNorm", "RMSNorm", "WrappedTorchNorm", "FusedLayerNorm", "TENorm")
+#: No-op modules of the local spec (q/k norms, cross attention of a decoder-only model).
+_SKIPPED_CLASSES = ("IdentityOp", "IdentityFuncOp", "Dropout",
+                    # its output is [b, s, h], or [s/tp, b, h] under SP (transposed inside): the
+                    # enclosing LanguageModelEmbedding's [s, b, h] output is traced instead
+                    "VocabParallelEmbedding")
+_STAGE_DEPENDENT = ("GPTModel", "TransformerBlock")
+
+
+def _matches(param_name: str, patterns: Sequence[str]) -> bool:
+    """A parameter is selected by a pattern matching its name or its module's name."""
+    owner = param_name.rpartition(".")[0]
+    return any(fnmatch.fnmatchcase(n, p) for n in (owner, param_name) for p in patterns)
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module under megatron's DDP / Float16Module wrappers (their ``.module``)."""
+    while type(model).__name__ in ("DistributedDataParallel", "Float16Module", "DDP") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def parallel_layout() -> dict[str, Any]:
+    """This rank's sizes and coordinates from megatron's ``parallel_state``."""
+    from megatron.core import parallel_state as ps
+    vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+    return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+            "dp": ps.get_data_parallel_world_size(), "vpp": vpp or 1,
+            "tp_rank": ps.get_tensor_model_parallel_rank(), "pp_rank": ps.get_pipeline_model_parallel_rank(),
+            "dp_rank": ps.get_data_parallel_rank(),
+            "first_stage": ps.is_pipeline_first_stage(ignore_virtual=True),
+            "last_stage": ps.is_pipeline_last_stage(ignore_virtual=True)}
+
+
+def _tp(par: dict, dim: int) -> ShardDim:
+    return ShardDim(dim, "tp", par["tp_rank"], par["tp"])
+
+
+class MegatronTracer:
+    """Trace one rank of a megatron-core training run (see the module docstring).
+
+    Args:
+        model: the rank's model chunk, wrapped (DDP, Float16Module) or not; megatron's DDP
+            wrapper is needed for the distributed-optimizer grad ranges.
+        config: the ``TransformerConfig`` (``sequence_parallel``, ``num_layers``,
+            ``finalize_model_grads_func`` are read; the latter is wrapped to record grads).
+        writer: this rank's :class:`~tracer.store.TraceWriter`.
+        include, exclude: ``fnmatch`` patterns on local module names (as
+            :class:`~tracer.hooks.Tracer`); no-op modules (identity ops, dropout) are excluded.
+        capture: subset of ``fwd_in fwd_out bwd_out bwd_in grad_local grad param``.
+        num_microbatches: microbatches per step on this rank (numbers the microbatches
+            of DP rank ``r`` from ``r * num_microbatches``).
+        vpp_chunk: the virtual pipeline chunk this model is (None without VPP).
+    """
+
+    def __init__(self, model: nn.Module, config: Any, writer: TraceWriter, *,
+                 include: Sequence[str] = ("*",), exclude: Sequence[str] = (),
+                 capture: Sequence[str] = ("fwd_in", "fwd_out", "bwd_out", "grad_local", "grad", "param"),
+                 num_microbatches: int = 1, vpp_chunk: int | None = None) -> None:
+        self.ddp = model
+        self.model = unwrap(model)
+        self.config = config
+        self.writer = writer
+        self.par = parallel_layout()
+        self.sp = bool(getattr(config, "sequence_parallel", False))
+        self.capture = set(capture)
+        self.num_microbatches = int(num_microbatches)
+        self.offset = layer_offset(self.par["pp_rank"], self.par["pp"], config.num_layers,
+                                   vpp_chunk, self.par["vpp"] if vpp_chunk is not None else None)
+        self._classes = {n: type(m).__name__ for n, m in self.model.named_modules()}
+        skipped = [n for n, c in self._classes.items() if c in _SKIPPED_CLASSES]
+        # containers whose records depend on the pipeline stage (the root returns hidden states
+        # on all but the last stage; the decoder block holds a stage's layers): their children
+        # are traced instead, and the per-token loss is recorded by wrap_forward_step
+        stage_dependent = [n for n, c in self._classes.items() if c in _STAGE_DEPENDENT or n == ""]
+        self.tracer = Tracer(self.model, writer, include=include,
+                             exclude=list(exclude) + stage_dependent + skipped + [s + ".*" for s in skipped if s],
+                             capture=[c for c in capture if c in ("fwd_in", "fwd_out", "bwd_out", "bwd_in")],
+                             name_fn=self.canonical_name, placement_fn=self.activation_placement)
+        self.params = {n: p for n, p in self.model.named_parameters()
+                       if _matches(n, include) and not _matches(n, exclude)}
+        self._orig_finalize = config.finalize_model_grads_func
+        config.finalize_model_grads_func = self._finalize
+
+    # names ------------------------------------------------------------------------
+    def canonical_name(self, local: str) -> str:
+        """Single-device name of a local module or parameter name."""
+        if re.search(r"(^|\.)layers\.\d+(\.|$)", local):
+            return renumber(local, "layers", self.offset)
+        return local
+
+    def _param_name(self, local: str) -> tuple[str, bool]:
+        """(canonical name, is the tied copy of the word embeddings on the last stage)."""
+        tied = local == "output_layer.weight" and getattr(self.model, "share_embeddings_and_output_weights", False)
+        return ("embedding.word_embeddings.weight" if tied else self.canonical_name(local)), tied
+
+    # placements -------------------------------------------------------------------
+    def _rule_dims(self, rule: Any, t: torch.Tensor) -> list[ShardDim]:
+        if rule == "stages":
+            pp = [ShardDim(None, "pp", self.par["pp_rank"], self.par["pp"], "replicated")] if self.par["pp"] > 1 else []
+            return self._rule_dims("rep", t) + pp
+        if self.par["tp"] == 1 or rule == "rep":
+            return [ShardDim(None, "tp", self.par["tp_rank"], self.par["tp"], "replicated")] if self.par["tp"] > 1 else []
+        if rule == "seq":
+            return [_tp(self.par, 0)] if self.sp else self._rule_dims("rep", t)
+        if rule == "last":
+            return [_tp(self.par, t.dim() - 1)]
+        return [_tp(self.par, rule[1])]
+
+    def activation_placement(self, local: str, name: str, t: torch.Tensor) -> dict[str, Any]:
+        """Placement of a module record ``name`` (canonical) of local module ``local``."""
+        cls = self._classes.get(local, "")
+        rules = ACTIVATION_RULES.get(cls) or ({"*": "seq"} if cls in _NORMS or "Norm" in cls else {"*": "rep"})
+        suffix = name[len(self.canonical_name(local)):].lstrip(".")
+        role = re.sub(r"_grad", "", suffix)  # output_grad.0 -> output.0
+        keys = [role] + ([role + ".0"] if "." not in role else [role.split(".")[0]]) + ["*"]
+        rule = next((rules[k] for k in keys if k in rules), "rep")
+        return Placement(tuple(self._rule_dims(rule, t))).to_dict()
+
+    def param_placement(self, local: str, p: torch.Tensor, phase: str) -> dict[str, Any]:
+        """Placement of parameter ``local`` in ``phase`` (``grad_local`` / ``grad`` / ``param``)."""
+        dims: list[ShardDim] = []
+        if getattr(p, "tensor_model_parallel", False):
+            dims.append(_tp(self.par, int(p.partition_dim)))
+        elif self.par["tp"] > 1:
+            kind = "partial" if phase == "grad_local" and getattr(p, "sequence_parallel", False) else "replicated"
+            dims.append(ShardDim(None, "tp", self.par["tp_rank"], self.par["tp"], kind))
+        _, tied = self._param_name(local)
+        if getattr(self.model, "share_embeddings_and_output_weights", False) and self.par["pp"] > 1 and (
+                tied or local == "embedding.word_embeddings.weight"):
+            kind = "partial" if phase == "grad_local" else "replicated"
+            dims.append(ShardDim(None, "tied", 1 if tied else 0, 2, kind))
+        if self.par["dp"] > 1:
+            kind = "partial" if phase == "grad_local" else "replicated"
+            dims.append(ShardDim(None, "dp", self.par["dp_rank"], self.par["dp"], kind))
+        return Placement(tuple(dims)).to_dict()
+
+    # grad and step hooks ------------------------------------------------------------
+    def _distopt_range(self, p: torch.Tensor) -> tuple[int, int] | None:
+        """This rank's valid range ``[start, end)`` of ``p``'s flattened reduced grad."""
+        dp, r = self.par["dp"], self.par["dp_rank"]
+        for buf in getattr(self.ddp, "buffers", []) + getattr(self.ddp, "expert_parallel_buffers", []):
+            for bucket in buf.buckets:
+                if p in bucket.param_to_index:
+                    ps_, pe = bucket.param_to_index[p]
+                    shard = bucket.grad_data.numel() // dp
+                    lo, hi = max(ps_, r * shard), min(pe, (r + 1) * shard)
+                    return (lo - ps_, hi - ps_) if lo < hi else None
+        raise ValueError(f"parameter of shape {tuple(p.shape)} is in no DDP bucket: pass the DDP-wrapped model")
+
+    def _record_grads(self, phase: str) -> None:
+        self.tracer.set_microbatch(0)  # per-step tensors: not of a microbatch
+        distopt = bool(getattr(getattr(self.ddp, "ddp_config", None), "use_distributed_optimizer", False))
+        for local, p in self.params.items():
+            g = getattr(p, "main_grad", None)
+            if g is None:
+                g = p.grad
+            if g is None:
+                continue
+            name, _ = self._param_name(local)
+            placement = self.param_placement(local, p, phase)
+            meta = {"param": local}
+            if phase == "grad_local" and self.par["dp"] > 1:
+                g = g * (1.0 / self.par["dp"])  # megatron's gradient_scaling_factor (a copy; exact for dp = 2^k)
+                meta["scaled_by"] = 1.0 / self.par["dp"]
+            if phase == "grad" and distopt and self.par["dp"] > 1:
+                rng = self._distopt_range(p)
+                if rng is None:
+                    continue
+                pl = Placement.from_dict(placement)
+                dims = [d for d in pl.dims if d.group != "dp"]
+                dims.append(ShardDim(None, "dp", self.par["dp_rank"], self.par["dp"], "flat_shard",
+                                     start=rng[0], end=rng[1], shape=tuple(p.shape)))
+                placement = Placement(tuple(dims)).to_dict()
+                g = g.reshape(-1)[rng[0]:rng[1]]
+            self.tracer.record(name, g, phase, placement=placement, meta=meta)
+
+    def _finalize(self, *args: Any, **kwargs: Any) -> Any:
+        if self.tracer.active and "grad_local" in self.capture:
+            self._record_grads("grad_local")
+        out = self._orig_finalize(*args, **kwargs)
+        if self.tracer.active and "grad" in self.capture:
+            self._record_grads("grad")
+        return out
+
+    def wrap_forward_step(self, forward_step: Callable) -> Callable:
+        """Wrap megatron's ``forward_step_func`` so that records carry the global microbatch
+        number and the loss of each microbatch is recorded (phase ``loss``)."""
+        counter = {"mb": 0}
+
+        def step_fn(data_iterator: Any, model: nn.Module, *rest: Any) -> Any:
+            mb = self.par["dp_rank"] * self.num_microbatches + counter["mb"]
+            counter["mb"] += 1
+            self.tracer.set_microbatch(mb)
+            output, loss_func = forward_step(data_iterator, model, *rest)
+            if self.tracer.active and self.par["last_stage"] and isinstance(output, torch.Tensor):
+                self.tracer.record("loss_per_token", output.detach(), "loss", placement=self._replicated_all())
+
+            def traced_loss(*a: Any, **k: Any) -> Any:
+                out = loss_func(*a, **k)
+                loss = out[0] if isinstance(out, tuple) else out
+                if self.tracer.active:
+                    self.tracer.record("loss", loss.detach(), "loss", placement=self._replicated_all())
+                return out
+            return output, traced_loss
+        self._counter = counter
+        return step_fn
+
+    def _replicated_all(self) -> dict[str, Any]:
+        dims = [ShardDim(None, "tp", self.par["tp_rank"], self.par["tp"], "replicated")] if self.par["tp"] > 1 else []
+        return Placement(tuple(dims)).to_dict()
+
+    def after_optimizer_step(self, grad_norm: float | torch.Tensor | None) -> None:
+        """Record the grad norm (phase ``grad_norm``) and the updated parameters (``param``)."""
+        self.tracer.set_microbatch(0)
+        if grad_norm is not None:
+            gn = grad_norm if isinstance(grad_norm, torch.Tensor) else torch.tensor(float(grad_norm), dtype=torch.float64)
+            self.tracer.record("grad_norm", gn.reshape(()), "grad_norm", placement=self._all_replicas())
+        if "param" in self.capture:
+            for local, p in self.params.items():
+                name, _ = self._param_name(local)
+                self.tracer.record(name, p, "param", placement=self.param_placement(local, p, "param"),
+                                   meta={"param": local})
+
+    def _all_replicas(self) -> dict[str, Any]:
+        dims = [ShardDim(None, g, self.par[f"{g}_rank"], self.par[g], "replicated")
+                for g in ("tp", "pp", "dp") if self.par[g] > 1]
+        return Placement(tuple(dims)).to_dict()
+
+    # steps --------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def step(self, step: int, writer: TraceWriter | None = None) -> Iterator[MegatronTracer]:
+        """Trace one optimizer step (flushes this rank's file at the end), into ``writer``
+        if given (e.g. a noise sample's trace) instead of the tracer's own."""
+        if hasattr(self, "_counter"):
+            self._counter["mb"] = 0
+        self.tracer.writer = writer or self.writer
+        try:
+            with self.tracer.step(step):
+                yield self
+        finally:
+            self.tracer.writer = self.writer
+
+    def remove(self) -> None:
+        """Remove the hooks and restore ``config.finalize_model_grads_func``."""
+        self.tracer.remove()
+        self.config.finalize_model_grads_func = self._orig_finalize
