@@ -42,17 +42,29 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
 # ------------------------------------------------------------------- formats
 def cmd_formats(args: argparse.Namespace) -> int:
     fmts = list(FORMATS.values()) + [get_format(c) for c in args.custom or []]
+    cal = None
+    if args.calibration:
+        from .calibrate import CalibrationError, load, same_format
+        try:
+            cal = load(args.calibration)
+        except CalibrationError as e:
+            raise SystemExit(f"ttrace formats: {e}") from None
+        if not any(same_format(f, cal.fmt) for f in fmts):
+            fmts.append(cal.fmt)
     consts = [f.constants() for f in fmts]
+    if cal is not None:  # the calibrated format's entry says which constants are in use
+        for f, c in zip(fmts, consts):
+            if same_format(f, cal.fmt):
+                c["calibration"] = {"file": args.calibration, "compute_fmt": cal.compute_fmt, "recipe": cal.recipe,
+                                    "kappa": {op: e.kappa for op, e in cal.ops.items()}}
     if args.json:
         print(json.dumps(consts, indent=2))
         return 0
     cols = ["name", "bits", "exponent_bits", "mantissa_bits", "bias", "u", "max", "min_normal", "min_subnormal", "inf", "nan", "overflow"]
     print(_table(["format", "bits", "e", "m", "bias", "u", "max", "min normal", "min subnormal", "inf", "NaN", "overflow"],
-                 [[_fmt_num(c[k]) for k in cols] for c in consts]))
-    if args.calibration:
-        from .calibrate import load
-        cal = load(args.calibration)
-        print(f"\ncalibrated constants in use for {cal.fmt_spec} (compute {cal.compute_fmt}"
+                 [[_fmt_num(c[k]) + ("*" if k == "name" and "calibration" in c else "") for k in cols] for c in consts]))
+    if cal is not None:
+        print(f"\n* calibrated constants in use for {cal.fmt_spec} (compute {cal.compute_fmt}"
               + (f", recipe {cal.recipe}" if cal.recipe else "") + f") from {args.calibration}:")
         for op, e in cal.ops.items():
             print(f"  {op}: kappa={e.kappa:.4g} (threshold = kappa * probabilistic bound, per-instance p={e.p:g})")
@@ -199,6 +211,22 @@ def _progress_bar(total: int) -> tuple[Callable[[int], None], Callable[[], None]
     return bar.update, bar.close
 
 
+def _parse_op_shape(s: str) -> tuple[str, tuple[int, ...]]:
+    """``OP=AxB...`` -> ``(op, (A, B, ...))``."""
+    op, sep, shape = s.partition("=")
+    if not sep or not op.strip():
+        raise argparse.ArgumentTypeError(f"bad --shape {s!r}; write OP=AxB..., e.g. matmul=64x256x64")
+    return op.strip(), _parse_shape(shape)
+
+
+def _default_op_shapes() -> dict[str, str]:
+    """Default op shape per calibratable op (quantize ops: without a 128x128 recipe)."""
+    from . import scaling
+    from .calibrate.ops import SPECS, Setup
+    s = Setup(get_format("e4m3"), get_format("fp32"), scaling.get_recipe("tensor"), get_format("fp32"))
+    return {op: "x".join(map(str, spec.shape(s))) for op, spec in SPECS.items()}
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     import re
 
@@ -207,15 +235,19 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     tensors = None
     if args.file:
         names = args.inputs.split(",") if args.inputs else []
-        from safetensors.torch import load_file
-        loaded = _load_inputs(args.file, names)
-        tensors = dict(zip(names or list(load_file(args.file)), loaded))
+        loaded = _load_inputs(args.file, names)  # clear errors for a missing/corrupt file or tensor
+        if not names:  # all tensors, in the file's order (that of _load_inputs)
+            from safetensors import safe_open
+            with safe_open(args.file, "pt") as fh:
+                names = list(fh.keys())
+        tensors = dict(zip(names, loaded))
     update, close = _progress_bar(len(ops) * args.samples)
     ratios: dict[str, torch.Tensor] = {}
     try:
-        cal = calibrate(args.format, ops, recipe=args.recipe, compute_fmt=args.compute_fmt, samples=args.samples,
-                        seed=args.seed, distributions=args.dist.split(","), tensors=tensors, p=args.p,
-                        confidence=args.confidence, progress=update, keep=ratios)
+        cal = calibrate(args.format, ops, recipe=args.recipe, compute_fmt=args.compute_fmt, out_fmt=args.out_fmt,
+                        samples=args.samples, seed=args.seed, distributions=args.dist.split(","), tensors=tensors,
+                        shapes=dict(args.shape or []), p=args.p, confidence=args.confidence, progress=update,
+                        keep=ratios, origin=f"file {args.file}")
     except CalibrationError as e:
         raise SystemExit(f"ttrace calibrate: {e}") from None
     finally:
@@ -226,7 +258,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     rows = [[op, f"{e.kappa:.4g}", f"{e.kappa_point:.4g}", f"{e.n_fit}", f"{e.heldout_violations}/{e.n_heldout}",
              f"{e.heldout_pvalue:.3g}", f"{e.ratio:.3g}"] for op, e in cal.ops.items()]
     print(f"calibration of {cal.format['name']}" + (f" (recipe {cal.recipe})" if cal.recipe else "")
-          + f", compute {cal.compute_fmt}, per-instance p={args.p:g}, confidence {args.confidence:g}, seed {args.seed}")
+          + f", compute {cal.compute_fmt}" + (f", GEMM/reduction output {args.out_fmt}" if args.out_fmt else "")
+          + f", per-instance p={args.p:g}, confidence {args.confidence:g}, seed {args.seed}")
     print(_table(["op", "kappa (UCB)", "kappa (point)", "n_fit", "held-out viol.", "binom p-value",
                   "calibrated/analytic"], rows))
     for op, why in cal.skipped.items():
@@ -283,14 +316,22 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     c.add_argument("--format", required=True, dest="format", help="format to calibrate (e4m3, e2m1, 'custom(e=3, m=2)', ...)")
     c.add_argument("--ops", default="all", help="'all' or a comma-separated list of calibratable ops")
     c.add_argument("--recipe", help="scaling recipe of the quantize ops: tensor, row, 1x128, 128x128, mx32")
-    c.add_argument("--compute-fmt", dest="compute_fmt", default="fp32")
+    c.add_argument("--compute-fmt", dest="compute_fmt", default="fp32", help="accumulation/intermediate format")
+    c.add_argument("--out-fmt", dest="out_fmt", help="output format of matmul, linear, sum, mean and quantized_matmul "
+                   "(default: the compute format; the other ops output the calibrated format)")
     c.add_argument("--samples", type=int, default=300, help="instances per op (half fit, half held-out)")
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--p", type=float, default=0.02, help="per-instance exceedance probability of the threshold")
     c.add_argument("--confidence", type=float, default=0.9, help="confidence of the upper bound on the quantile")
     c.add_argument("--dist", default="normal", help=f"comma-separated distributions: {', '.join(DISTRIBUTIONS)}")
-    c.add_argument("--file", help="safetensors file whose values are sampled instead of --dist")
-    c.add_argument("--inputs", help="comma-separated tensor names in --file (default: all)")
+    c.add_argument("--shape", action="append", type=_parse_op_shape, metavar="OP=AxB...",
+                   help="op shape of one op's instances (repeatable), e.g. matmul=64x256x64 (m x K x n), "
+                        "softmax=32x1024 (32 rows of 1024), attention=2x16x32 (heads x L x d); defaults: "
+                        f"{', '.join(f'{op}={shape}' for op, shape in _default_op_shapes().items())}")
+    c.add_argument("--file", help="safetensors file whose tensors give the instances instead of --dist: the op's "
+                                  "tensor arguments in order; instances are blocks of whole rows (attention: "
+                                  "(L, d) heads), a matmul/linear weight is used whole (docs/calibration.md)")
+    c.add_argument("--inputs", help="comma-separated tensor names in --file, in the ops' argument order (default: all)")
     c.add_argument("--out", help="output JSON (default calibration_<format>[_<recipe>].json)")
     c.add_argument("--plots", metavar="DIR", help="write one PNG per op into DIR")
     c.set_defaults(func=cmd_calibrate)

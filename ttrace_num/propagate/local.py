@@ -5,7 +5,8 @@ models are not known to be bitwise identical)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -13,6 +14,9 @@ import ttrace_num as tn
 from ..bounds.summation import conversion_exact
 from ..formats import get_format, half_ulp
 from .calls import OpCall
+
+if TYPE_CHECKING:
+    from ..calibrate import Calibration
 
 __all__ = ["LocalBounds", "ModelPolicy"]
 
@@ -24,10 +28,29 @@ _ZERO = torch.zeros((), dtype=torch.float64)
 
 @dataclass
 class LocalBounds:
+    """``calibration``: a :class:`~ttrace_num.calibrate.Calibration` or the path of its file
+    (probabilistic mode only): the ops it calibrates get ``tolerance(..., calibration=...)``
+    (``min(kappa * B, deterministic bound)``), the others the analytic bound."""
+
     mode: str = "deterministic"
     failure_probability: float | None = None
     policy: ModelPolicy | None = None
     against_exact: bool = False
+    calibration: "Calibration | str | Path | None" = None
+
+    def __post_init__(self) -> None:
+        if self.calibration is not None:
+            from ..calibrate import load
+            if self.mode != "probabilistic":
+                raise ValueError("a calibration rescales the probabilistic bounds; use mode='probabilistic'")
+            if isinstance(self.calibration, (str, Path)):
+                self.calibration = load(self.calibration)
+
+    def tolerance_kwargs(self, op: str) -> dict:
+        """:meth:`common_kwargs`, or for an op the calibration covers ``mode`` and ``calibration``."""
+        if self.calibration is not None and self.calibration.covers(op):
+            return {"mode": self.mode, "calibration": self.calibration}
+        return self.common_kwargs()
 
     def common_kwargs(self) -> dict:
         """The ``mode``/``failure_probability`` keywords every local bound is computed with."""
@@ -40,16 +63,16 @@ class LocalBounds:
         per run whose rounding is not shared (two for two runs of the same model, one against
         exact or for a difference model, none for bitwise-identical runs)."""
         if call.kind == "rounding":
-            if call.exact:
-                return []
+            if call.exact or (call.op == "cast" and out.dtype == call.inputs[0].dtype):
+                return []  # exact scaling, or a cast to the same format (no rounding)
             one = self.rounding(out, call.inputs)
             return [one] if self.against_exact else [one, one]
         common = self.common_kwargs()
         if self.against_exact:
-            return [tn.tolerance(call.op, *call.inputs, **common, **call.kwargs).abs]
+            return [tn.tolerance(call.op, *call.inputs, **self.tolerance_kwargs(call.op), **call.kwargs).abs]
         models = self.policy(module, call.op) if self.policy else None
         if models is None:
-            b = tn.tolerance(call.op, *call.inputs, **common, **call.kwargs).abs
+            b = tn.tolerance(call.op, *call.inputs, **self.tolerance_kwargs(call.op), **call.kwargs).abs
             return [b, b]
         ka, kb, bitwise = models
         if bitwise and ka == kb:

@@ -32,23 +32,10 @@ the held-out half the number of violations ``#{r > kappa}`` is tested against ``
 one-sided binomial test (``scipy.stats.binomtest(..., alternative="greater")``); a small
 p-value means the calibration does not hold on fresh data.
 
-**Computation model per op** (inputs drawn from ``distributions``, or sampled from the
-values of supplied tensors, rounded to ``fmt`` with :func:`~ttrace_num.rounding.round_to`;
-compute format ``c``, default fp32):
-
-* ``matmul``: ``(m, K) @ (K, n)`` per instance, products and a recursive chain in ``c``,
-  output in ``c`` (:func:`~ttrace_num.emulate.summation.emulate_matmul`); exact:
-  :func:`~ttrace_num.reference.dot.exact_matmul`.
-* ``sum``: sum of a row in ``c``, output in ``c`` (``emulate_sum``); exact: ``exact_sum``.
-* ``softmax``: :func:`~ttrace_num.emulate.softmax.emulate_softmax`, output in ``fmt``;
-  exact: :func:`ttrace_num.reference.ops.softmax`.
-* ``gelu`` / ``silu``: :mod:`ttrace_num.emulate.activations`, output in ``fmt``; exact:
-  ``reference.ops.gelu`` / ``silu``.
-* ``quantize``: ``dequantize(quantize(x))`` of fp32 data with ``recipe``
-  (:func:`~ttrace_num.emulate.fp8.emulate_fake_quant`), exact: ``x``.
-* ``quantized_matmul``: both fp32 operands quantized with ``recipe``, scaled GEMM in ``c``
-  (:func:`~ttrace_num.emulate.fp8.emulate_quantized_matmul`); exact: ``exact_matmul`` of
-  the fp32 operands.
+**Instances.** What one instance of each op is (its inputs, emulation in the format,
+exact reference and analytic bound), how ``--shape`` changes it and how instances are cut
+from supplied tensors is stated in :mod:`ttrace_num.calibrate.ops`; the plots are
+:mod:`ttrace_num.calibrate.plots`.
 
 The result is a versioned JSON file (:class:`Calibration`) consumed by
 ``ttrace_num.tolerance(op, ..., mode="probabilistic", calibration=FILE)``, which returns
@@ -64,29 +51,23 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
-from scipy import stats
 
-from . import scaling
-from .bounds.base import Bound, Explanation
-from .bounds.common import lookup
-from .bounds.fp8 import ScaledGemm
-from .bounds.summation import Summation
-from .formats import FORMATS, FloatFormat, get_format
-from .rounding import round_to
+from .. import scaling
+from ..bounds.base import Bound, Explanation
+from ..bounds.common import lookup, resolve_precision
+from ..bounds.fp8 import ScaledGemm
+from ..formats import FORMATS, FloatFormat, get_format
+from .ops import (ALL_OPS, QUANT_OPS, SPECS, CalibrationError, Draw, Setup, Shape, Supplied, op_shapes,
+                  shape_error, unsupported)
+from .plots import plot
 
 __all__ = ["SCHEMA_VERSION", "ALL_OPS", "CalibrationError", "OpCalibration", "Calibration", "calibrate",
-           "kappa_upper_bound", "min_samples", "heldout_check", "load", "apply_calibration"]
+           "kappa_upper_bound", "min_samples", "heldout_check", "load", "apply_calibration", "plot",
+           "same_format"]
 
 SCHEMA_VERSION = 1
-#: ops calibrated by ``ops="all"``: those whose computation in any format the emulators model
-ALL_OPS = ("matmul", "sum", "softmax", "gelu", "silu", "quantize", "quantized_matmul")
-_QUANT_OPS = ("quantize", "quantized_matmul")
 #: failure probability of the analytic bound ``B`` that ``kappa`` rescales
 ANALYTIC_FAILURE_PROBABILITY = 1e-6
-
-
-class CalibrationError(ValueError):
-    """A calibration that cannot be trusted or cannot be built (the message says why)."""
 
 
 # ----------------------------------------------------------------------------- statistics
@@ -105,6 +86,7 @@ def kappa_upper_bound(r: torch.Tensor, p: float, confidence: float) -> float:
         raise CalibrationError(f"{n} fit samples are too few for a {confidence:g}-confidence bound on the "
                                f"{1 - p:g} quantile: need n >= ln(1-confidence)/ln(1-p) = {need} "
                                f"(raise --samples to at least {2 * need})")
+    from scipy import stats  # lazy: scipy.stats takes ~1 s to import, the CLI parser imports this package
     k = int(stats.binom.ppf(confidence, n, 1 - p)) + 1  # smallest k with cdf(k - 1) >= confidence
     while k > 1 and stats.binom.cdf(k - 2, n, 1 - p) >= confidence:
         k -= 1
@@ -116,6 +98,7 @@ def kappa_upper_bound(r: torch.Tensor, p: float, confidence: float) -> float:
 def heldout_check(r: torch.Tensor, kappa: float, p: float) -> tuple[int, float]:
     """Violations ``#{r > kappa}`` on held-out samples and the one-sided binomial p-value of
     observing that many or more if the violation probability were ``p``."""
+    from scipy import stats
     v = int((r > kappa).sum())
     return v, float(stats.binomtest(v, int(r.numel()), p, alternative="greater").pvalue)
 
@@ -178,6 +161,11 @@ class Calibration:
     def fmt(self) -> FloatFormat:
         return get_format(self.fmt_spec)
 
+    def covers(self, op: str) -> bool:
+        """Whether this calibration holds a constant for ``op`` (or an alias of it)."""
+        from ..bounds.common import _CANONICAL
+        return _CANONICAL.get(op, op) in self.ops
+
 
 def load(path: str | Path) -> Calibration:
     """Read a calibration file written by :func:`calibrate` / ``ttrace calibrate``."""
@@ -196,223 +184,97 @@ def load(path: str | Path) -> Calibration:
                        source=str(path))
 
 
-# ----------------------------------------------------------------------------- op specs
-Draw = Callable[[tuple[int, ...], torch.Generator], torch.Tensor]
-
-
-@dataclass(frozen=True)
-class _Setup:
-    fmt: FloatFormat
-    compute: FloatFormat
-    recipe: scaling.ScalingRecipe
-
-
-def _on_grid(t: torch.Tensor, fmt: FloatFormat, what: str) -> torch.Tensor:
-    r = round_to(t, fmt)
-    if not torch.isfinite(r).all():
-        raise CalibrationError(f"{what}: the data overflow {fmt} (max {fmt.max:g}); use a narrower distribution, "
-                               "scaled tensors, or a --recipe for the quantize ops")
-    return r
-
-
-@dataclass(frozen=True)
-class _OpSpec:
-    """How to draw, emulate, reference and bound one op. ``batched``: one call handles all
-    instances (leading dim); otherwise instances are processed one at a time."""
-
-    shapes: Callable[[_Setup], list[tuple[int, ...]]]
-    batched: bool
-    out: Callable[[_Setup], FloatFormat]
-    prepare: Callable[[list[torch.Tensor], _Setup], list[torch.Tensor]]
-    emulate: Callable[[list[torch.Tensor], _Setup], torch.Tensor]
-    exact: Callable[[list[torch.Tensor], _Setup], torch.Tensor]
-    kwargs: Callable[[_Setup], dict[str, Any]]
-
-
-def _round_all(xs: list[torch.Tensor], s: _Setup) -> list[torch.Tensor]:
-    return [_on_grid(x, s.fmt, "inputs") for x in xs]
-
-
-def _fp32_all(xs: list[torch.Tensor], s: _Setup) -> list[torch.Tensor]:
-    return [x.float() for x in xs]
-
-
-def _mm_emulate(xs, s):
-    from .emulate.summation import emulate_matmul
-    return emulate_matmul(xs[0], xs[1], Summation(accum=s.compute), s.compute)
-
-
-def _exact_mm(xs, s):
-    from .reference.dot import exact_matmul
-    return exact_matmul(xs[0], xs[1])
-
-
-def _sum_emulate(xs, s):
-    from .emulate.summation import emulate_sum
-    return emulate_sum(xs[0], -1, Summation(accum=s.compute), s.compute)
-
-
-def _exact_sum(xs, s):
-    from .reference.dot import exact_sum
-    return exact_sum(xs[0], -1)
-
-
-def _softmax_emulate(xs, s):
-    from .emulate.softmax import emulate_softmax
-    return emulate_softmax(xs[0], -1, fmt=s.fmt, compute_fmt=s.compute, out_fmt=s.fmt)
-
-
-def _exact_softmax(xs, s):
-    from .reference.ops import softmax
-    return softmax(xs[0], -1)
-
-
-def _act(name: str):
-    def emulate(xs, s):
-        from .emulate import activations
-        return getattr(activations, name)(xs[0], compute_fmt=s.compute, out_fmt=s.fmt)
-
-    def exact(xs, s):
-        from .reference import ops
-        return getattr(ops, name)(xs[0])
-    return emulate, exact
-
-
-def _quant_emulate(xs, s):
-    from .emulate.fp8 import emulate_fake_quant
-    return emulate_fake_quant(xs[0], s.fmt, s.recipe, compute_fmt=s.compute)
-
-
-def _qmm_emulate(xs, s):
-    from .emulate.fp8 import emulate_quantized_matmul
-    return emulate_quantized_matmul(xs[0], xs[1], fmt_a=s.fmt, fmt_b=s.fmt, recipe_a=s.recipe, recipe_b=s.recipe,
-                                    model=ScaledGemm(accum=s.compute, out=s.compute))
-
-
-def _tile(s: _Setup) -> int:
-    """Rows per instance of the quantize ops: 128 for 128x128 tiles, else 8."""
-    return 128 if s.recipe.name == "128x128" else 8
-
-
-_GELU, _SILU = _act("gelu"), _act("silu")
-_SPECS: dict[str, _OpSpec] = {
-    "matmul": _OpSpec(lambda s: [(4, 1024), (1024, 4)], True, lambda s: s.compute, _round_all, _mm_emulate, _exact_mm,
-                      lambda s: {"fmt": s.fmt, "compute_fmt": s.compute, "out_fmt": s.compute}),
-    "sum": _OpSpec(lambda s: [(4096,)], True, lambda s: s.compute, _round_all, _sum_emulate, _exact_sum,
-                   lambda s: {"dim": -1, "fmt": s.fmt, "compute_fmt": s.compute, "out_fmt": s.compute}),
-    "softmax": _OpSpec(lambda s: [(64,)], True, lambda s: s.fmt, _round_all, _softmax_emulate,
-                       _exact_softmax,
-                       lambda s: {"dim": -1, "fmt": s.fmt, "compute_fmt": s.compute, "out_fmt": s.fmt}),
-    "gelu": _OpSpec(lambda s: [(64,)], True, lambda s: s.fmt, _round_all, _GELU[0], _GELU[1],
-                    lambda s: {"fmt": s.fmt, "compute_fmt": s.compute, "out_fmt": s.fmt}),
-    "silu": _OpSpec(lambda s: [(64,)], True, lambda s: s.fmt, _round_all, _SILU[0], _SILU[1],
-                    lambda s: {"fmt": s.fmt, "compute_fmt": s.compute, "out_fmt": s.fmt}),
-    "quantize": _OpSpec(lambda s: [(_tile(s), 128)], False, lambda s: s.compute, _fp32_all, _quant_emulate,
-                        lambda xs, s: xs[0].double(),
-                        lambda s: {"fmt": s.fmt, "recipe": s.recipe, "compute_fmt": s.compute}),
-    "quantized_matmul": _OpSpec(lambda s: [(_tile(s), 128), (128, _tile(s))], False, lambda s: s.compute, _fp32_all,
-                                _qmm_emulate, _exact_mm,
-                                lambda s: {"fmt": s.fmt, "recipe": s.recipe, "compute_fmt": s.compute,
-                                           "out_fmt": s.compute}),
-}
-
-
-# ----------------------------------------------------------------------------- data
-def empirical(tensors: Mapping[str, torch.Tensor]) -> Draw:
-    """A draw function sampling (with replacement) from the values of ``tensors``; refuses
-    NaN/Inf, naming the tensor and the first bad index. Within-row structure of the supplied
-    tensors is not kept: instances are i.i.d. draws from their value distribution."""
-    pools = []
-    for name, t in tensors.items():
-        if not t.is_floating_point():
-            continue
-        t64 = t.detach().to(torch.float64)
-        bad = ~torch.isfinite(t64)
-        if bad.any():
-            idx = tuple(int(i) for i in torch.nonzero(bad)[0])
-            raise CalibrationError(f"tensor {name!r} holds {float(t64[idx])} at index {idx}; calibration needs finite data")
-        pools.append(t64.flatten())
-    if not pools:
-        raise CalibrationError("no floating-point tensor supplied")
-    pool = torch.cat(pools)
-
-    def draw(shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
-        return pool[torch.randint(0, pool.numel(), shape, generator=g)]
-    return draw
-
-
+# ----------------------------------------------------------------------------- formats
 def _spec(f: FloatFormat) -> str:
     """A spec :func:`~ttrace_num.formats.get_format` parses back to ``f`` (names of custom
     formats are not parseable)."""
-    if f.name in FORMATS and _same(FORMATS[f.name], f):
+    if f.name in FORMATS and same_format(FORMATS[f.name], f):
         return f.name
     return (f"custom(e={f.exponent_bits},m={f.mantissa_bits},bias={f.bias},nan={f.nan_encoding},"
             f"subnormals={f.subnormals},overflow={f.default_overflow})")
 
 
-def _same(a: FloatFormat, b: FloatFormat) -> bool:
+def same_format(a: FloatFormat, b: FloatFormat) -> bool:
     """Same values and special-value behaviour (names aside)."""
     key = ("exponent_bits", "mantissa_bits", "bias", "nan_encoding", "signed", "subnormals", "default_overflow")
     return all(getattr(a, k) == getattr(b, k) for k in key)
 
 
-def _check_format(fmt: FloatFormat, compute: FloatFormat) -> None:
-    for f, what in ((fmt, "format"), (compute, "compute format")):
+def _check_format(fmt: FloatFormat, compute: FloatFormat, out: FloatFormat) -> None:
+    for f, what in ((fmt, "format"), (compute, "compute format"), (out, "output format")):
         if f.precision >= 53 or f.exponent_bits > 11:
             raise CalibrationError(f"{what} {f} is not narrower than fp64: the exact references are float64 "
                                    "results, so its errors cannot be measured against them")
 
 
 # ----------------------------------------------------------------------------- driver
-def _ratios(op: str, s: _Setup, xs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+class _NotCovered(Exception):
+    """The op cannot be emulated in the format, or the analytic model does not cover what
+    the emulation does (the op is skipped with this message)."""
+
+
+def _ratios(op: str, s: Setup, xs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-instance max of ``|err| / B`` and the elementwise ratios of one (batched) call."""
-    spec = _SPECS[op]
+    spec = SPECS[op]
     try:
         computed = spec.emulate(xs, s)
     except ValueError as e:
-        raise CalibrationError(f"op {op}: cannot emulate {s.fmt} with compute format {s.compute}: {e}") from None
-    exact = spec.exact(xs, s)
+        raise _NotCovered(f"cannot emulate {s.fmt} with compute format {s.compute}: {e}") from None
+    exact = spec.exact(xs, s).double()
     b = lookup(op)(*xs, mode="probabilistic", failure_probability=ANALYTIC_FAILURE_PROBABILITY,
                    **spec.kwargs(s)).abs
-    err = (computed.double() - exact.double()).abs()
-    r = torch.where(err == 0, torch.zeros_like(err), err / torch.broadcast_to(b, err.shape))
+    overflow = int((~torch.isfinite(computed) & torch.isfinite(exact)).sum())
+    if overflow:
+        raise _NotCovered(f"{overflow} emulated results are +-inf where the exact ones are finite: an intermediate "
+                          f"or the output overflows (fmt {s.fmt}, max {s.fmt.max:g}; compute {s.compute}), "
+                          "which the analytic model does not cover")
+    err = (computed.double() - exact).abs()
+    b = torch.broadcast_to(b, err.shape)
+    uncovered = int(((b == 0) & (err > 0)).sum())
+    if uncovered:
+        raise _NotCovered(f"the analytic bound is 0 where the emulated error is not ({uncovered} elements): the "
+                          f"model does not cover {s.fmt} (check the format's subnormals/overflow)")
+    r = torch.where(err == 0, torch.zeros_like(err), err / b)
     if not spec.batched:
         r = r.unsqueeze(0)
     return r.reshape(r.shape[0], -1).amax(1), r.flatten()
 
 
-def _draw_instances(op: str, s: _Setup, n: int, draws: Sequence[tuple[str, Draw]],
-                    g: torch.Generator, progress: Callable[[int], None]) -> tuple[torch.Tensor, torch.Tensor]:
-    spec = _SPECS[op]
-    shapes = spec.shapes(s)
+Source = tuple[str, Draw] | Supplied
+
+
+def _draw(op: str, shapes: list[Shape], src: Source, k: int | None, g: torch.Generator) -> list[torch.Tensor]:
+    """Inputs of ``k`` instances (leading dim), or of one instance if ``k`` is None."""
+    if isinstance(src, Supplied):
+        return src.draw(op, shapes, k, g)
+    return [src[1]((*((k,) if k else ()), *sh), g) for sh in shapes]
+
+
+def _draw_instances(op: str, s: Setup, n: int, shapes: list[Shape], sources: Sequence[Source], g: torch.Generator,
+                    progress: Callable[[int], None]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-instance and elementwise ratios of ``n`` instances drawn from ``sources`` in turn."""
+    spec = SPECS[op]
     per_inst, elems = [], []
-    for j, (_, draw) in enumerate(draws):
-        m = n // len(draws) + (1 if j < n % len(draws) else 0)
-        if spec.batched:
-            chunk = 200
-            for c0 in range(0, m, chunk):
-                k = min(chunk, m - c0)
-                xs = spec.prepare([draw((k, *sh), g) for sh in shapes], s)
-                pi, el = _ratios(op, s, xs)
-                per_inst.append(pi)
-                elems.append(el)
-                progress(k)
-        else:
-            for _ in range(m):
-                xs = spec.prepare([draw(sh, g) for sh in shapes], s)
-                pi, el = _ratios(op, s, xs)
-                per_inst.append(pi)
-                elems.append(el)
-                progress(1)
+    for j, src in enumerate(sources):
+        m = n // len(sources) + (1 if j < n % len(sources) else 0)
+        step = 200 if spec.batched else 1
+        for c0 in range(0, m, step):
+            k = min(step, m - c0)
+            xs = spec.prepare(_draw(op, shapes, src, k if spec.batched else None, g), s)
+            pi, el = _ratios(op, s, xs)
+            per_inst.append(pi)
+            elems.append(el)
+            progress(k)
     return torch.cat(per_inst), torch.cat(elems)
 
 
 def calibrate(fmt: "str | FloatFormat", ops: Iterable[str] | str = "all", *, recipe: str | None = None,
-              compute_fmt: "str | FloatFormat" = "fp32", samples: int = 300, seed: int = 0,
+              compute_fmt: "str | FloatFormat" = "fp32", out_fmt: "str | FloatFormat | None" = None,
+              samples: int = 300, seed: int = 0,
               distributions: Sequence[str] = ("normal",), tensors: Mapping[str, torch.Tensor] | None = None,
-              p: float = 0.02, confidence: float = 0.9,
-              progress: Callable[[int], None] | None = None,
-              keep: dict[str, torch.Tensor] | None = None) -> Calibration:
+              shapes: Mapping[str, Sequence[int]] | None = None, p: float = 0.02, confidence: float = 0.9,
+              progress: Callable[[int], None] | None = None, keep: dict[str, torch.Tensor] | None = None,
+              origin: str = "the supplied tensors") -> Calibration:
     """Fit ``kappa`` per op (module docstring) and return the :class:`Calibration`.
 
     Args:
@@ -422,21 +284,27 @@ def calibrate(fmt: "str | FloatFormat", ops: Iterable[str] | str = "all", *, rec
         recipe: scaling recipe of the quantize ops (``"tensor"`` default, ``"row"``,
             ``"1x128"``, ``"128x128"``, ``"mx32"``).
         compute_fmt: accumulation / intermediate format (fp32).
+        out_fmt: output format of the GEMMs and reductions (default ``compute_fmt``; e.g.
+            bf16 for a bf16 model whose matmuls store bf16).
         samples: instances per op, split in halves: fit and held-out.
         seed: the only source of randomness (same arguments => identical result).
         distributions: names from :data:`ttrace_num.cli.DISTRIBUTIONS`, used in turn.
-        tensors: instead of ``distributions``, sample values from these tensors.
+        tensors: instead of ``distributions``, instances cut from these tensors (the op's
+            tensor arguments in order; see :mod:`ttrace_num.calibrate.ops`).
+        shapes: op shape per op (``{"matmul": (64, 256, 64)}``), overriding the defaults.
         p, confidence: ``kappa`` bounds the per-instance ``(1 - p)`` quantile with this
             confidence.
-        progress: called with the number of instances just finished.
+        progress: called with the number of instances just finished (or skipped).
         keep: if given, filled with ``op -> per-instance ratios`` (for plots).
+        origin: where ``tensors`` come from, for messages (e.g. the file name).
     """
-    from .cli import DISTRIBUTIONS
+    from ..cli import DISTRIBUTIONS
     try:
         f, c = get_format(fmt), get_format(compute_fmt)
+        o = get_format(out_fmt) if out_fmt is not None else c
     except (KeyError, ValueError) as e:
         raise CalibrationError(f"unknown format: {e}") from None
-    _check_format(f, c)
+    _check_format(f, c, o)
     if not (0 < p < 1 and 0 < confidence < 1):
         raise CalibrationError(f"p and confidence must lie in (0, 1), got p={p}, confidence={confidence}")
     need = min_samples(p, confidence)
@@ -445,31 +313,64 @@ def calibrate(fmt: "str | FloatFormat", ops: Iterable[str] | str = "all", *, rec
                                f"bound on the {1 - p:g} quantile: need n_fit >= ln(1-confidence)/ln(1-p) = {need}, "
                                f"i.e. --samples >= {2 * need}")
     op_list = list(ALL_OPS) if ops == "all" else list(ops)
-    unknown = [o for o in op_list if o not in _SPECS]
+    unknown = [o for o in [*op_list, *(shapes or {})] if o not in SPECS]
     if unknown:
         raise CalibrationError(f"cannot calibrate {', '.join(unknown)}: emulated ops are {', '.join(ALL_OPS)}")
+    sources: list[Source]
     if tensors is not None:
-        draws: list[tuple[str, Draw]] = [("tensors:" + ",".join(tensors), empirical(tensors))]
+        sources = [Supplied(tensors, origin)]
     else:
         bad = [d for d in distributions if d not in DISTRIBUTIONS]
         if bad:
             raise CalibrationError(f"unknown distribution {', '.join(bad)}; choose from {', '.join(DISTRIBUTIONS)}")
-        draws = [(d, DISTRIBUTIONS[d]) for d in distributions]
-    s = _Setup(f, c, scaling.get_recipe(recipe or "tensor"))
-    progress = progress or (lambda k: None)
+        sources = [(d, DISTRIBUTIONS[d]) for d in distributions]
+    labels = [src.label if isinstance(src, Supplied) else src[0] for src in sources]
+    s = Setup(f, c, scaling.get_recipe(recipe or "tensor"), o)
+    arg_shapes = {op: op_shapes(op, s, (shapes or {}).get(op)) for op in op_list}
+    if not isinstance(sources[0], Supplied):
+        for op in op_list:
+            why = shape_error(op, arg_shapes[op], s)
+            if why is not None:
+                raise CalibrationError(f"--shape {op}: {why}")
+    # one intra-op thread: the work is many small tensor ops, where torch's thread pool only adds
+    # synchronisation (e4m3 --ops all: 14 s with 1 thread, 66 s with 2 on a loaded 2-core machine)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _calibrate(f, c, s, s.recipe.name if recipe else None, op_list, arg_shapes, sources, labels, samples,
+                          seed, p, confidence, progress or (lambda k: None), keep)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _calibrate(f: FloatFormat, c: FloatFormat, s: Setup, recipe: str | None, op_list: list[str],
+               arg_shapes: dict[str, list[Shape]],
+               sources: list[Source], labels: list[str], samples: int, seed: int, p: float, confidence: float,
+               progress: Callable[[int], None], keep: dict[str, torch.Tensor] | None) -> Calibration:
+    """The loop of :func:`calibrate` over the ops (arguments checked)."""
     results: dict[str, OpCalibration] = {}
     skipped: dict[str, str] = {}
     for op in op_list:  # each op's stream depends on (seed, op) only, not on the other ops asked for
+        why = unsupported(op, s)
+        if why is None and isinstance(sources[0], Supplied):
+            why = sources[0].unfit(op, arg_shapes[op], s)
+        if why is not None:
+            skipped[op] = why
+            progress(samples)
+            continue
         g = torch.Generator().manual_seed(seed * 1000003 + zlib.crc32(op.encode()))
-        r, elems = _draw_instances(op, s, samples, draws, g, progress)
-        if not torch.isfinite(r).all():
-            raise CalibrationError(f"op {op}: the analytic bound is 0 where the emulated error is not; "
-                                   f"the model does not cover {f} (check the format's subnormals/overflow)")
+        try:
+            r, elems = _draw_instances(op, s, samples, arg_shapes[op], sources, g, progress)
+        except _NotCovered as e:
+            skipped[op] = str(e)
+            continue
+        inst_shapes = (sources[0].shapes(op, arg_shapes[op]) if isinstance(sources[0], Supplied)
+                       else [list(sh) for sh in arg_shapes[op]])
         perm = torch.randperm(samples, generator=g)
         fit, held = r[perm[:samples // 2]], r[perm[samples // 2:]]
         kappa = kappa_upper_bound(fit, p, confidence)
         if kappa == 0:
-            skipped[op] = (f"{int((r == 0).sum())} of {samples} instances of shape {_SPECS[op].shapes(s)} are computed "
+            skipped[op] = (f"{int((r == 0).sum())} of {samples} instances of shapes {inst_shapes} are computed "
                            f"exactly in {c}: no error to calibrate the model's constant from (longer reductions or "
                            "other data would round)")
             continue
@@ -479,12 +380,12 @@ def calibrate(fmt: "str | FloatFormat", ops: Iterable[str] | str = "all", *, rec
         results[op] = OpCalibration(
             op=op, kappa=kappa, kappa_point=float(torch.quantile(fit, 1 - p)), p=p, confidence=confidence,
             n_fit=int(fit.numel()), n_heldout=int(held.numel()), heldout_violations=v, heldout_pvalue=pval,
-            analytic_failure_probability=ANALYTIC_FAILURE_PROBABILITY, out_fmt=_spec(_SPECS[op].out(s)),
-            shape=[list(sh) for sh in _SPECS[op].shapes(s)], distributions=[d for d, _ in draws], quantiles=qs)
+            analytic_failure_probability=ANALYTIC_FAILURE_PROBABILITY, out_fmt=_spec(SPECS[op].out(s)),
+            shape=inst_shapes, distributions=labels, quantiles=qs)
         if keep is not None:
             keep[op] = r
-    from . import __version__
-    return Calibration(format=f.constants(), fmt_spec=_spec(f), recipe=s.recipe.name if recipe else None,
+    from .. import __version__
+    return Calibration(format=f.constants(), fmt_spec=_spec(f), recipe=recipe,
                        compute_fmt=_spec(c), version=__version__, seed=seed, ops=results, skipped=skipped)
 
 
@@ -493,8 +394,9 @@ def apply_calibration(op: str, inputs: Sequence[torch.Tensor], calibration: "Cal
                       fmt=None, compute_fmt=None, mode: str = "probabilistic", **op_kwargs: Any) -> Bound:
     """``min(kappa * B, deterministic bound)`` for ``op`` with ``kappa`` from ``calibration``
     (probabilistic mode only; the format, compute format, recipe and output format must be
-    those the calibration measured)."""
-    from .bounds.common import _CANONICAL
+    those the calibration measured). ``fmt=None``: the inputs' format, as
+    :func:`ttrace_num.tolerance` infers it (the calibrated format for the quantize ops)."""
+    from ..bounds.common import _CANONICAL
     cal = calibration if isinstance(calibration, Calibration) else load(calibration)
     src = cal.source or "an in-memory calibration"
     if mode != "probabilistic":
@@ -505,28 +407,36 @@ def apply_calibration(op: str, inputs: Sequence[torch.Tensor], calibration: "Cal
     if name not in cal.ops:
         raise ValueError(f"{src} has no calibration for op {op!r} (it holds {', '.join(cal.ops)})")
     entry = cal.ops[name]
-    f = get_format(fmt) if fmt is not None else cal.fmt
-    if not _same(f, cal.fmt):
+    if fmt is not None:
+        f = get_format(fmt)
+    elif name in QUANT_OPS:  # their fmt is the target of the quantization, not the inputs' dtype
+        f = cal.fmt
+    else:  # the storage format tolerance() would infer from the inputs
+        f = resolve_precision(tuple(inputs)).storage
+    if not same_format(f, cal.fmt):
         raise ValueError(f"{src} calibrates {cal.fmt_spec}, not {f}")
     c = get_format(compute_fmt) if compute_fmt is not None else get_format(cal.compute_fmt)
-    if not _same(c, get_format(cal.compute_fmt)):
+    if not same_format(c, get_format(cal.compute_fmt)):
         raise ValueError(f"{src} was measured with compute format {cal.compute_fmt}, not {c}")
     out = op_kwargs.pop("out_fmt", None)
-    if out is not None and not _same(get_format(out), get_format(entry.out_fmt)):
-        raise ValueError(f"{src}: op {name} was measured with output format {entry.out_fmt}, not {get_format(out)}")
+    if name != "quantize":  # (quantize has no output format argument: its result is in the compute format)
+        # without out_fmt=, the output format tolerance() would use: the inputs' (ScaledGemm's for quantized_matmul)
+        o = get_format(out) if out is not None else (ScaledGemm().out if name == "quantized_matmul" else f)
+        if not same_format(o, get_format(entry.out_fmt)):
+            raise ValueError(f"{src}: op {name} was measured with output format {entry.out_fmt}, not {o}"
+                             + ("" if out is not None else f" (the default; pass out_fmt='{entry.out_fmt}' if the "
+                                                           f"result is stored in {entry.out_fmt})"))
     fp = op_kwargs.pop("failure_probability", None)
     if fp is not None and fp != entry.p:
         raise ValueError(f"{src}: op {name} was calibrated for failure probability {entry.p:g} per instance, "
                          f"not {fp:g}")
-    if name in _QUANT_OPS:
+    if name in QUANT_OPS:
         rec = scaling.get_recipe(op_kwargs.get("recipe", "tensor")).name
         if rec != (cal.recipe or "tensor"):
             raise ValueError(f"{src} was measured with recipe {cal.recipe or 'tensor'}, not {rec}")
-        kw = {"fmt": f, "compute_fmt": c, **op_kwargs}
-        if name == "quantized_matmul":
-            kw["out_fmt"] = entry.out_fmt
-    else:
-        kw = {"fmt": f, "compute_fmt": c, "out_fmt": entry.out_fmt, **op_kwargs}
+    kw = {"fmt": f, "compute_fmt": c, **op_kwargs}
+    if name != "quantize":
+        kw["out_fmt"] = entry.out_fmt
     fn = lookup(name)
     b = fn(*inputs, mode="probabilistic", failure_probability=entry.analytic_failure_probability, **kw)
     det = fn(*inputs, mode="deterministic", **kw)
@@ -542,38 +452,3 @@ def apply_calibration(op: str, inputs: Sequence[torch.Tensor], calibration: "Cal
                              entry.analytic_failure_probability},
                      terms=(b.explanation, det.explanation)),
                  magnitude=b.magnitude)
-
-
-# ----------------------------------------------------------------------------- plots
-def plot(cal: Calibration, ratios: Mapping[str, torch.Tensor], out_dir: str | Path) -> list[Path]:
-    """One PNG per op: the empirical distribution (1 - CDF) of the per-instance max error in
-    units of the analytic bound, with the analytic bound (1), the calibrated threshold
-    (kappa) and the target level p. Returns the written paths."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for op, entry in cal.ops.items():
-        r = torch.sort(ratios[op]).values.numpy()
-        surv = 1.0 - (torch.arange(1, r.size + 1, dtype=torch.float64) / r.size).numpy()
-        fig, ax = plt.subplots(figsize=(6, 4))
-        ax.step(r[:-1], surv[:-1], where="post", label="measured: P(max |err|/B > r) per instance")
-        ax.axvline(1.0, color="k", ls="--", label="analytic probabilistic bound (r = 1)")
-        ax.axvline(entry.kappa, color="r", label=f"calibrated threshold kappa = {entry.kappa:.3g}")
-        ax.axhline(entry.p, color="g", ls=":", label=f"target p = {entry.p:g}")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_ylim(0.5 / r.size, 1.0)
-        ax.set_xlabel("r = max_i |err_i| / B_i")
-        ax.set_ylabel("fraction of instances above r")
-        ax.set_title(f"{op}: {cal.format['name']}" + (f" ({cal.recipe})" if cal.recipe else "") + f", compute {cal.compute_fmt}",
-                     fontsize=9)
-        ax.legend(fontsize=7)
-        fig.tight_layout()
-        path = out / f"calibration_{op}.png"
-        fig.savefig(path, dpi=80)
-        plt.close(fig)
-        paths.append(path)
-    return paths
