@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VPY) examples/layer_numerics.py
+	$(VPY) -m examples.megatron_cpu.demo --out demo_out
 
 test: $(STAMP)
 	$(VPY) -m pytest -q -n 2 --dist loadfile tests

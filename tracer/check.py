@@ -34,7 +34,7 @@ import torch
 from tracer.canonical import Placement, assemble, shard
 from tracer.errors import IncomparableRunsError, TraceError
 from tracer.store import TraceReader
-from tracer.thresholds import DEFAULT_FALSE_ALARM, noise_threshold
+from tracer.thresholds import DEFAULT_FALSE_ALARM, noise_threshold, unmodelled_threshold
 
 __all__ = ["TensorCheck", "Comparison", "compare", "noise_dirs", "localise"]
 
@@ -103,7 +103,7 @@ class Comparison:
         return {"verdict": self.verdict, "reference": self.reference, "candidate": self.candidate,
                 "candidate_layout": self.candidate_layout, "counts": self.counts(),
                 "max_ratio_within_threshold": self.max_ratio_ok, "noise_samples": self.noise_samples,
-                "false_alarm_per_tensor": self.false_alarm,
+                "false_alarm_per_comparison": self.false_alarm,
                 "first_divergence": None if self.first is None else asdict(self.first),
                 "localisation": self.localisation, "unmatched": self.unmatched,
                 "tensors": [asdict(r) for r in self.rows]}
@@ -196,6 +196,8 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
                            max_abs=max_abs, ref_norm=ref_norm, note="no noise sample traced this tensor")
     zero = torch.zeros_like(r)
     th = noise_threshold(zero, [excess(n.double().masked_fill(~rf, 0.0)) for n in noisy], false_alarm)
+    if th.threshold == 0.0 and ref_t.is_floating_point():
+        th = unmodelled_threshold(r.masked_fill(~rf, 0.0), ref_t.dtype)
     ratio = error / th.threshold if th.threshold > 0 else (0.0 if error == 0 else math.inf)
     status = "over" if ratio > 1 else "ok"
     note = "; ".join(notes)
@@ -242,6 +244,9 @@ def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str
     """Check ``candidate`` against ``reference`` (trace directories); see the module docstring.
 
     ``noise``: noise-sample trace directories (default: ``reference/noise/sample_*``).
+    ``false_alarm``: the probability, under the thresholds' conservative equal-variance
+    model, that a correct candidate has any tensor over its threshold in this comparison
+    (each of the ``N`` tensors gets ``false_alarm / N``, Bonferroni).
     Raises :class:`~tracer.errors.IncomparableRunsError` when the traces are of different
     models or share no step, and :class:`~tracer.errors.TraceError` (naming file, rank,
     step and tensor) for missing ranks and corrupt files. NaN/Inf are findings (status
@@ -277,6 +282,7 @@ def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str
             if k in cand_idx:
                 plan.append((s, k, ents[0], cand_idx[k], [ni.get(k, {}).get(0) for ni in noise_idx]))
     plan.sort(key=lambda p: (p[0], p[2]["index"]))
+    per_tensor = false_alarm / max(len(plan), 1)  # Bonferroni: family-wise over the comparison
     bar = _progress(len(plan), progress)
     rows = []
     for s, k, ref_e, cand_entries, noise_es in plan:
@@ -285,7 +291,7 @@ def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str
         noisy = [n.load(s, 0, e["key"]) for n, e in zip(noisy_readers, noise_es) if e is not None]
         if len(noisy) != len(noise_es):
             noisy = []
-        rows.append(_check_one(s, k, ref_e, ref_t, cand_t, notes, noisy, false_alarm, cand_entries))
+        rows.append(_check_one(s, k, ref_e, ref_t, cand_t, notes, noisy, per_tensor, cand_entries))
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -328,6 +334,12 @@ def localise(rows: list[TensorCheck], first: TensorCheck | None) -> str:
         if g and all(r.status == "ok" for r in g):
             return (f"the optimizer update of {first.name} is wrong: its reduced gradient agrees with the "
                     f"reference (worst {worst(g)})")
+    if first.phase == "grad_norm":
+        g = [r for r in same if r.phase == "grad"]
+        if g and all(r.status == "ok" for r in g):
+            return ("the grad norm is wrong although every reduced gradient agrees with the reference "
+                    f"(worst {worst(g)}): the norm computation (which shards are counted, over which "
+                    "group) is wrong")
     if first.phase == "bwd":
         return (f"the gradient flowing into {first.name.split('.output_grad')[0]} diverges first: the "
                 "module that consumes this tensor computes a wrong backward (the forward agreed)")

@@ -37,14 +37,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    """Run the demo harness in its own interpreter: the CPU shim it installs never enters
+    this (library) process."""
+    import subprocess
     root = Path(__file__).resolve().parents[1]
     if not (root / "examples" / "megatron_cpu" / "demo.py").is_file():
         print("ttrace demo: the demo harness (examples/megatron_cpu) is not here; run it from a source "
               "checkout: `make demo`", file=sys.stderr)
         return 2
-    sys.path.insert(0, str(root))
-    from examples.megatron_cpu.demo import main as demo_main
-    return demo_main(args.demo_args)
+    return subprocess.call([sys.executable, "-m", "examples.megatron_cpu.demo", *args.demo_args], cwd=root)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,7 +55,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("candidate", help="candidate trace directory")
     c.add_argument("--noise", action="append", metavar="DIR", help="noise-sample trace (default: REF/noise/sample_*)")
     c.add_argument("--step", action="append", type=int, help="compare only this step (repeatable)")
-    c.add_argument("--false-alarm", type=float, default=1e-3, help="per-tensor false-alarm probability (default 1e-3)")
+    c.add_argument("--false-alarm", type=float, default=1e-2,
+                   help="false-alarm probability of the whole comparison, split over its tensors (default 0.01)")
     c.add_argument("--report", metavar="PATH", help="report path without suffix (default CAND/ttrace_report)")
     c.add_argument("--top", type=int, default=5, help="how many of the worst tensors to list")
     c.add_argument("--no-plot", action="store_true")

@@ -112,7 +112,9 @@ class Tracer:
     to its canonical name (default: identity); parameter names are
     ``name_fn(module) + "." + leaf``. ``placement_fn(local, name, tensor)`` maps the local
     module name (module records) or local parameter name (grad/param records), the record's
-    canonical name and the tensor to the writer's ``placement`` dict. ``defer``: clone tensors on their device in the hooks and hand
+    canonical name and the tensor to the writer's ``placement`` dict. ``grad_scale``:
+    activation gradients (``bwd``) are stored multiplied by it (a copy; e.g. ``1/dp`` for
+    Megatron, whose per-rank loss is ``dp`` times its share of the global mean). ``defer``: clone tensors on their device in the hooks and hand
     them to the writer at :meth:`end_step` (``None``: only tensors not on the CPU).
 
     Usage::
@@ -137,7 +139,7 @@ class Tracer:
                  exclude: Sequence[str] = (), capture: Sequence[str] = CAPTURES,
                  name_fn: Callable[[str], str] | None = None,
                  placement_fn: Callable[[str, str, torch.Tensor], dict[str, Any]] | None = None,
-                 defer: bool | None = None) -> None:
+                 defer: bool | None = None, grad_scale: float = 1.0) -> None:
         unknown = set(capture) - set(CAPTURES)
         if unknown:
             raise ValueError(f"unknown capture kinds {sorted(unknown)}; choose from {CAPTURES}")
@@ -147,6 +149,7 @@ class Tracer:
         self.name_fn = name_fn or (lambda name: name)
         self.placement_fn = placement_fn
         self.defer = defer
+        self.grad_scale = float(grad_scale)
         self._step: int | None = None
         self._microbatch = 0
         self._index = 0
@@ -217,7 +220,9 @@ class Tracer:
 
         def hook(grad: torch.Tensor) -> None:
             if self._step is not None:
-                self._emit(name, grad, "bwd", local, microbatch=microbatch)
+                g = grad if self.grad_scale == 1.0 else grad * self.grad_scale  # a scaled copy
+                self._emit(name, g, "bwd", local, microbatch=microbatch,
+                           meta={"scaled_by": self.grad_scale} if self.grad_scale != 1.0 else None)
         self._tensor_handles.append(t.register_hook(hook))
 
     def _grad_hook(self, local: str, canon: str) -> Callable:

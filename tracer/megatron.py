@@ -49,7 +49,7 @@ from tracer.canonical import Placement, ShardDim, layer_offset, renumber
 from tracer.hooks import Tracer
 from tracer.store import TraceWriter
 
-__all__ = ["MegatronTracer", "ACTIVATION_RULES", "parallel_layout", "unwrap"]
+__all__ = ["MegatronTracer", "ACTIVATION_RULES", "parallel_layout", "unwrap", "reference_noise", "noise_policy"]
 
 #: Role of each traced tensor of a module class -> how it is split over TP.
 #: Values: ``"seq"`` (dim 0 split over TP under sequence parallelism, else replicated),
@@ -149,7 +149,10 @@ class MegatronTracer:
         self.tracer = Tracer(self.model, writer, include=include,
                              exclude=list(exclude) + stage_dependent + skipped + [s + ".*" for s in skipped if s],
                              capture=[c for c in capture if c in ("fwd_in", "fwd_out", "bwd_out", "bwd_in")],
-                             name_fn=self.canonical_name, placement_fn=self.activation_placement)
+                             name_fn=self.canonical_name, placement_fn=self.activation_placement,
+                             # each DP rank's loss is the mean over its own microbatches, dp times
+                             # its share of the global mean: activation grads are dp times too large
+                             grad_scale=1.0 / self.par["dp"])
         self.params = {n: p for n, p in self.model.named_parameters()
                        if _matches(n, include) and not _matches(n, exclude)}
         self._orig_finalize = config.finalize_model_grads_func
@@ -213,12 +216,12 @@ class MegatronTracer:
         """This rank's valid range ``[start, end)`` of ``p``'s flattened reduced grad."""
         dp, r = self.par["dp"], self.par["dp_rank"]
         for buf in getattr(self.ddp, "buffers", []) + getattr(self.ddp, "expert_parallel_buffers", []):
-            for bucket in buf.buckets:
-                if p in bucket.param_to_index:
-                    ps_, pe = bucket.param_to_index[p]
-                    shard = bucket.grad_data.numel() // dp
-                    lo, hi = max(ps_, r * shard), min(pe, (r + 1) * shard)
-                    return (lo - ps_, hi - ps_) if lo < hi else None
+            if p in buf.param_index_map:  # buffer coordinates, with megatron's alignment padding
+                start, end, bucket_id = buf.param_index_map[p]
+                bucket = buf.buckets[bucket_id]
+                shard = bucket.grad_data.numel() // dp
+                lo, hi = max(start, bucket.offset + r * shard), min(end, bucket.offset + (r + 1) * shard)
+                return (lo - start, hi - start) if lo < hi else None
         raise ValueError(f"parameter of shape {tuple(p.shape)} is in no DDP bucket: pass the DDP-wrapped model")
 
     def _record_grads(self, phase: str) -> None:
@@ -318,3 +321,48 @@ class MegatronTracer:
         """Remove the hooks and restore ``config.finalize_model_grads_func``."""
         self.tracer.remove()
         self.config.finalize_model_grads_func = self._orig_finalize
+
+
+# reference side: what the noise samples must model --------------------------------------------
+
+def noise_policy(tp: int, dtype: str):
+    """Computation models of the two runs for the noise injector.
+
+    A candidate with tensor parallelism ``tp`` splits the reduction of its row-parallel
+    GEMMs (forward) and column-parallel input-gradient GEMMs (backward) over ``tp`` ranks and
+    sums the partials with an all-reduce in the activation dtype. The injector cannot tell
+    which GEMM is split (megatron calls ``torch.matmul`` inside its own autograd functions),
+    so in bf16 every GEMM gets the difference bound of one fp32-accumulated GEMM vs a
+    ``tp``-way split with a bf16 reduction, which is >= 1.4x the bound of two unsplit runs
+    (measured: 1.4-2.3x for tp = 2), hence safe for the unsplit ones too. In fp32 the
+    default (two independent runs, ``2 b``) is larger than the split model's difference and
+    is kept (``None``).
+    """
+    if tp <= 1 or dtype != "bf16":
+        return None
+    from ttrace_num.bounds.summation import Summation
+    plain, split = {"summation": Summation()}, {"summation": Summation(split=tp, reduce_fmt="bf16")}
+
+    def policy(path: str, op: str):
+        return (plain, split, False) if op in ("matmul", "linear") else None
+    return policy
+
+
+def _megatron_functions() -> tuple[type, ...]:
+    """megatron-core's autograd Functions whose backward does arithmetic (GEMMs, the
+    vocab-parallel cross entropy's softmax)."""
+    from megatron.core.tensor_parallel.cross_entropy import _VocabParallelCrossEntropy
+    from megatron.core.tensor_parallel.layers import LinearWithGradAccumulationAndAsyncCommunication
+    return (LinearWithGradAccumulationAndAsyncCommunication, _VocabParallelCrossEntropy)
+
+
+def reference_noise(candidate_tp: int, dtype: str) -> dict[str, Any]:
+    """Keyword arguments of :class:`tracer.reference.NoiseSampler` for a megatron-core
+    reference compared against candidates with tensor parallelism up to ``candidate_tp`` in
+    ``dtype`` (``"bf16"``/``"fp32"``): the GEMM policy (:func:`noise_policy`), the summation
+    model of parameter-gradient sums over tokens (split over TP under sequence parallelism,
+    partials in ``dtype``), and megatron's autograd Functions whose backward computes."""
+    from ttrace_num.bounds.summation import Summation
+    return {"injector_kwargs": {"policy": noise_policy(candidate_tp, dtype),
+                                "grad_summation": Summation(split=candidate_tp, reduce_fmt=dtype)},
+            "custom_functions": _megatron_functions()}

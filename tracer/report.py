@@ -28,8 +28,8 @@ def summary(c: Comparison, top: int = 5) -> str:
     lines = [f"verdict: {c.verdict}   ({len(c.rows)} tensors compared: "
              + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) + ")",
              f"  reference {c.reference}  vs  candidate {c.candidate} (layout {c.candidate_layout})",
-             f"  thresholds: {c.noise_samples} noise samples, per-tensor false-alarm probability "
-             f"{c.false_alarm:g}; largest error/threshold within threshold: {c.max_ratio_ok:.3g}"]
+             f"  thresholds: {c.noise_samples} noise samples, false-alarm probability {c.false_alarm:g} per "
+             f"comparison; largest error/threshold within threshold: {c.max_ratio_ok:.3g}"]
     if c.unmatched:
         lines.append(f"  {len(c.unmatched)} tensors traced by one run only (not compared), e.g. {c.unmatched[0]}")
     f = c.first

@@ -299,11 +299,13 @@ class TraceWriter:
                              f"{entries[index][0]['name']!r} in this step", rank=self.rank,
                              step=step, tensor=name)
         key = f"{phase}/{name}/mb{microbatch}/i{index}"
-        copy = tensor.detach().to("cpu", copy=True).contiguous()
+        with torch._C.DisableTorchFunction():  # plain copy and stats even under a TorchFunctionMode
+            copy = tensor.detach().to("cpu", copy=True).contiguous()
+            stats = tensor_stats(copy)
         entry = {"key": key, "name": name, "phase": phase, "step": step,
                  "microbatch": int(microbatch), "index": int(index),
                  "dtype": _dtype_name(copy.dtype), "shape": list(copy.shape),
-                 "placement": placement, "meta": meta, "stats": tensor_stats(copy)}
+                 "placement": placement, "meta": meta, "stats": stats}
         entries[index] = (entry, copy if self.mode == "full" else None)
         return key
 

@@ -80,16 +80,16 @@ def _sp_norm(model, config, optimizer):
 
 @bug("grad_norm_undercounts_tp_shards", catalogue="B19", bug_class="norm accounting", needs={"tp": 2},
      expected_phase="grad_norm", expected_name="grad_norm",
-     doc="the MLP fc1 weight (TP-sharded) is treated as a TP duplicate by the grad-norm filter, so "
-         "only TP rank 0's shard is counted; the clip coefficient is then wrong")
+     doc="the grad-norm filter checks ownership with the wrong rule for the column-parallel and "
+         "vocab-parallel weights (TP-sharded along dim 0): they are counted as TP duplicates, only TP "
+         "rank 0's shard enters the norm, and the clip coefficient is wrong")
 def _grad_norm(model, config, optimizer):
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
-    victims = {id(p) for p in _params(model, "linear_fc1.weight")}
     orig = tensor_parallel.param_is_not_tensor_parallel_duplicate
 
-    def filtered(param, tp_group=None):
-        if id(param) in victims:
+    def filtered(param, tp_group=None):  # param: the optimizer's fp32 main copy (attributes copied)
+        if getattr(param, "tensor_model_parallel", False) and getattr(param, "partition_dim", None) == 0:
             return ps.get_tensor_model_parallel_rank() == 0
         return orig(param, tp_group)
     tensor_parallel.param_is_not_tensor_parallel_duplicate = filtered

@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    ap.add_argument("--noise-samples", type=int, default=3)
+    ap.add_argument("--noise-samples", type=int, default=4)
     ap.add_argument("--bug", default="sp_norm_grad_not_reduced", choices=sorted(BUGS),
                     help="catalogue bug injected into the second candidate run")
     a = ap.parse_args(argv)

@@ -38,6 +38,7 @@ _DIV = {torch.div, torch.Tensor.div, torch.Tensor.__truediv__}
 _CASTS = {torch.Tensor.to, torch.Tensor.float, torch.Tensor.bfloat16, torch.Tensor.half, torch.Tensor.double,
           torch.Tensor.type_as}
 _MASKED_FILL = {torch.Tensor.masked_fill, torch.masked_fill}
+_SUM = {torch.sum, torch.Tensor.sum}  # over one dim: the library's ``sum`` model
 
 
 def _arg(args: tuple, kwargs: dict, i: int, name: str, default: Any = None) -> Any:
@@ -125,6 +126,14 @@ def classify(func: Callable, args: tuple, kwargs: dict) -> OpCall | None:
         factor = 1.0 / float(c) if func in _DIV else float(c)
         return OpCall("rounding", "scale", (t,), {}, lambda g, out: J.scale(_z(g, t), factor),
                       lambda g, out: J.scale_sq(_z(g, t), factor), exact=_pow2(factor))
+    if func in _SUM:
+        x, dim = args[0], _arg(args, kwargs, 1, "dim")
+        keepdim = bool(_arg(args, kwargs, 2, "keepdim", False))
+        if isinstance(dim, int) and _arg(args, kwargs, 3, "dtype") is None and isinstance(x, torch.Tensor):
+            return OpCall("op", "sum", (x,), {"dim": dim, "keepdim": keepdim},
+                          lambda g, out: _z(g, x).sum(dim, keepdim=keepdim),
+                          lambda g, out: _z(g, x).sum(dim, keepdim=keepdim))
+        return None
     if func in _CASTS:
         x = args[0]
         return OpCall("rounding", "cast", (x,), {}, lambda g, out: g(x), lambda g, out: g(x))

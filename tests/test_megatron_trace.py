@@ -1,0 +1,203 @@
+"""Traced comparison of real megatron-core runs on CPU/gloo (issue 7).
+
+Two gloo launches for the whole module: world 1 traces the single-device references (2 seeds
+x fp32/bf16, 3 steps, with noise samples), world 4 traces the candidates: TP2+PP2+SP and
+TP2+DP2+SP with the distributed optimizer, each in fp32 and bf16 for both seeds, and three
+catalogue bugs (bf16, seed 0). Every candidate must be reported clean (0 tensors over
+threshold); every bug must be detected with the first divergence at the tensor and phase
+its registry entry declares. The canonical mapping must round-trip bitwise on every
+candidate tensor (shard -> full -> shard), and bad input must give clear errors.
+"""
+from __future__ import annotations
+
+import fnmatch
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+from examples.gloo import run_gloo
+from examples.megatron_cpu.bugs import BUGS
+from tracer.canonical import Placement, assemble, shard
+from tracer.check import compare
+from tracer.errors import CorruptTraceError, IncomparableRunsError, MissingRankError
+from tracer.store import TraceReader
+
+STEPS = 3
+SEEDS = (0, 1)
+DTYPES = ("fp32", "bf16")
+LAYOUTS = {"tp2.pp2.sp": {"tp": 2, "pp": 2, "dp": 1, "sp": True, "distopt": False},
+           "tp2.dp2.sp.distopt": {"tp": 2, "pp": 1, "dp": 2, "sp": True, "distopt": True}}
+BUG_LAYOUT = "tp2.pp2.sp"
+TESTED_BUGS = ("sp_norm_grad_not_reduced", "vocab_ce_local_denominator", "grad_norm_undercounts_tp_shards")
+NOISE_SAMPLES = 4
+GLOBAL_BATCH = 2
+
+
+def _worker(rank: int, world: int, jobs: list[dict]) -> list[float]:
+    import warnings
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    from examples.megatron_cpu.gpt import build_and_train
+    t = []
+    for j in jobs:
+        t0 = time.perf_counter()
+        build_and_train(j["layout"], steps=STEPS, seed=j["seed"], dtype=j["dtype"], global_batch=GLOBAL_BATCH,
+                        trace=j["trace"], bug=j.get("bug"))
+        t.append(time.perf_counter() - t0)
+    return t
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("megatron_traces")
+    refs = [{"layout": {"tp": 1, "pp": 1, "dp": 1}, "seed": s, "dtype": d,
+             "trace": {"root": str(root / f"ref_{d}_{s}"), "noise_samples": NOISE_SAMPLES, "noise_tp": 2}}
+            for d in DTYPES for s in SEEDS]
+    cands = [{"layout": lay, "seed": s, "dtype": d, "trace": {"root": str(root / f"{name}_{d}_{s}")}}
+             for name, lay in LAYOUTS.items() for d in DTYPES for s in SEEDS]
+    cands += [{"layout": LAYOUTS[BUG_LAYOUT], "seed": 0, "dtype": "bf16", "bug": b,
+               "trace": {"root": str(root / f"bug_{b}")}} for b in TESTED_BUGS]
+    t = time.perf_counter()
+    run_gloo(_worker, 1, refs)
+    t1 = time.perf_counter()
+    run_gloo(_worker, 4, cands)
+    print(f"\ntraced references in {t1 - t:.0f} s, candidates in {time.perf_counter() - t1:.0f} s")
+    return root
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_clean_layout_is_consistent(traces, layout, seed, dtype):
+    c = compare(traces / f"ref_{dtype}_{seed}", traces / f"{layout}_{dtype}_{seed}")
+    print(f"\n{layout} {dtype} seed {seed}: {len(c.rows)} tensors, max error/threshold {c.max_ratio_ok:.3f}")
+    assert not c.unmatched, c.unmatched[:5]
+    assert len(c.rows) > 300 and {r.phase for r in c.rows} >= {"fwd", "bwd", "loss", "grad_local", "grad",
+                                                               "grad_norm", "param"}
+    assert c.first is None, (c.first, c.localisation)
+    assert c.counts() == {"ok": len(c.rows)}
+
+
+@pytest.mark.parametrize("name", TESTED_BUGS)
+def test_bug_detected_at_expected_tensor(traces, name):
+    bug = BUGS[name]
+    c = compare(traces / "ref_bf16_0", traces / f"bug_{name}")
+    assert c.first is not None, f"{name} not detected"
+    print(f"\n{name}: first divergence {c.first.label}, {c.first.ratio:.3g}x threshold; {c.localisation}")
+    assert c.first.phase == bug.expected_phase, c.first
+    assert fnmatch.fnmatchcase(c.first.name, bug.expected_name), c.first
+    assert c.first.step == 0
+
+
+def test_bug_classes_differ():
+    assert len({BUGS[b].bug_class for b in TESTED_BUGS}) == len(TESTED_BUGS)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_canonical_mapping_round_trips(traces, layout):
+    """shard(assemble(shards)) gives every rank's stored shard back, bitwise (partial sums and
+    the distributed optimizer's flat ranges are pieces of a sum / of a buffer, checked by
+    assembly itself)."""
+    reader = TraceReader(traces / f"{layout}_bf16_0")
+    checked = 0
+    for step in reader.steps():
+        groups: dict = {}
+        for rank in reader.ranks(step):
+            for e in reader.entries(step, rank):
+                groups.setdefault((e["phase"], e["name"], e["microbatch"], e["meta"].get("call", 0)), {})[rank] = e
+        for key, ents in groups.items():
+            pls = {r: Placement.from_dict(e["placement"] or {"dims": []}) for r, e in ents.items()}
+            if any(d.kind in ("partial", "flat_shard") for p in pls.values() for d in p.dims):
+                continue
+            shards = {r: reader.load(step, r, e["key"]) for r, e in ents.items()}
+            full, rep = assemble(shards, pls, name=key[1])
+            assert rep.replicas_agree, key
+            for r, t in shards.items():
+                assert torch.equal(shard(full, pls[r]), t), (key, r)
+            checked += 1
+    assert checked > 300
+
+
+@pytest.fixture
+def small_pair(traces, tmp_path):
+    ref = tmp_path / "ref"
+    cand = tmp_path / "cand"
+    shutil.copytree(traces / "ref_fp32_0", ref)
+    shutil.copytree(traces / "tp2.pp2.sp_fp32_0", cand)
+    return ref, cand
+
+
+def test_missing_rank_is_named(small_pair):
+    ref, cand = small_pair
+    (cand / "step_000001" / "rank_00002.json").unlink()
+    with pytest.raises(MissingRankError, match=r"rank_00002.*|rank 2"):
+        compare(ref, cand)
+
+
+def test_truncated_file_is_named(small_pair):
+    ref, cand = small_pair
+    f = cand / "step_000000" / "rank_00001.safetensors"
+    f.write_bytes(f.read_bytes()[:1000])
+    with pytest.raises(CorruptTraceError, match="rank 1.*step 0|truncated"):
+        compare(ref, cand)
+
+
+def test_other_model_is_refused(small_pair):
+    ref, cand = small_pair
+    run = json.loads((cand / "run.json").read_text())
+    run["model_signature"] = "another model"
+    (cand / "run.json").write_text(json.dumps(run))
+    with pytest.raises(IncomparableRunsError, match="model signature"):
+        compare(ref, cand)
+
+
+def test_mismatched_steps_compare_the_common_ones(small_pair):
+    ref, cand = small_pair
+    shutil.rmtree(cand / "step_000002")
+    c = compare(ref, cand)
+    assert {r.step for r in c.rows} == {0, 1}
+    assert any("step 2: only in the reference" in u for u in c.unmatched)
+    assert c.first is None
+
+
+def test_nan_is_a_finding_not_a_crash(small_pair):
+    from safetensors.torch import load_file, save_file
+    ref, cand = small_pair
+    f = cand / "step_000001" / "rank_00000.safetensors"
+    tensors = load_file(f)
+    key = next(k for k in tensors if k.startswith("fwd/") and "linear_fc1.output" in k)
+    tensors[key][0] = float("nan")
+    save_file(tensors, f, metadata=_metadata(f))
+    man = f.with_suffix(".json")
+    m = json.loads(man.read_text())
+    m["file"]["bytes"] = f.stat().st_size
+    man.write_text(json.dumps(m))
+    c = compare(ref, cand)
+    assert c.first is not None and c.first.status == "nonfinite" and c.first.step == 1
+    assert "linear_fc1.output" in c.first.name and "NaN/Inf" in c.first.note
+
+
+def _metadata(path: Path) -> dict:
+    from safetensors import safe_open
+    with safe_open(path, framework="pt") as f:
+        return f.metadata()
+
+
+def test_report_files(traces, tmp_path):
+    from tracer.report import plot, summary, write_json
+    c = compare(traces / "ref_bf16_0", traces / "bug_sp_norm_grad_not_reduced")
+    text = summary(c)
+    assert "DIVERGENT" in text and "first divergence: step 0, phase grad_local" in text
+    d = json.loads(write_json(c, tmp_path / "r.json").read_text())
+    assert d["verdict"] == "DIVERGENT" and d["first_divergence"]["name"] == c.first.name
+    assert len(d["tensors"]) == len(c.rows)
+    png = plot(c, tmp_path / "r.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert math.isfinite(c.max_ratio_ok) and c.max_ratio_ok < 1

@@ -1,0 +1,164 @@
+"""Tracing a plain PyTorch data-parallel run (``DistributedDataParallel``) and DTensor placements.
+
+:class:`DDPTracer` wraps a :class:`tracer.hooks.Tracer` around the module under DDP and adds
+what a data-parallel comparison needs (see docs/tracing-pytorch.md):
+
+* **microbatch numbers**: rank ``r``'s local microbatch ``i`` is the global microbatch
+  ``r * num_microbatches + i`` (:meth:`DDPTracer.microbatch`, through
+  :meth:`Tracer.set_microbatch`). A global batch split the same way on a single device
+  then gives every activation record the same ``(name, microbatch)`` key in both runs, and
+  activations, activation gradients and losses need no placement at all: each is a whole
+  tensor held by exactly one rank.
+* **activation-gradient scale**: DDP *averages* gradients over the ``dp`` ranks. With each
+  rank's loss the mean over its own samples, the global loss is ``1/dp`` times the sum of
+  the per-rank losses, so every activation gradient of a DDP rank is ``dp`` times its
+  single-device counterpart: they are stored multiplied by ``grad_scale = 1/dp`` (exact for
+  ``dp`` a power of two; otherwise one rounding of the stored copy, never of the run).
+* **parameters** (phases ``grad`` and ``param``) are replicated over the DP group: each
+  rank's copy is stored with a ``replicated`` placement over ``dp``, and the checker
+  requires the copies to agree bitwise (a skipped or extra all-reduce shows as disagreeing
+  replicas). ``grad`` is ``p.grad`` after the backward of the last microbatch (DDP has
+  all-reduced it by the time ``backward()`` returns), ``param`` the values after
+  ``optimizer.step()``.
+* **loss** (phase ``loss``): the per-microbatch loss the caller passes to
+  :meth:`DDPTracer.record_loss`, before any ``1/num_microbatches`` scaling.
+
+The single-device reference uses the same class with ``dp=1`` (the default outside a
+process group), so one training-loop function serves both runs.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from tracer.canonical import Placement, ShardDim
+from tracer.hooks import Tracer
+from tracer.store import TraceWriter
+
+__all__ = ["DDPTracer", "ddp_placement", "dtensor_placement"]
+
+_MODULE_CAPTURES = ("fwd_in", "fwd_out", "bwd_out", "bwd_in")
+
+
+def ddp_placement(dp_rank: int, dp: int) -> dict[str, Any]:
+    """Placement dict of a parameter or its reduced gradient on DP rank ``dp_rank`` of ``dp``:
+    replicated over the ``dp`` group (no dims when ``dp == 1``)."""
+    dims = (ShardDim(None, "dp", dp_rank, dp, "replicated"),) if dp > 1 else ()
+    return Placement(dims).to_dict()
+
+
+class DDPTracer:
+    """Trace one rank of a plain PyTorch (DDP) training loop (see the module docstring).
+
+    Args:
+        model: the model, wrapped in ``DistributedDataParallel`` or not (the wrapper's
+            ``.module`` is traced, so names are those of the single-device model).
+        writer: this rank's :class:`~tracer.store.TraceWriter`.
+        num_microbatches: microbatches per step on this rank.
+        dp_rank, dp: this rank and the data-parallel size; default: the default process
+            group's rank and size when one is initialised, else ``0`` and ``1``.
+        include, exclude: ``fnmatch`` patterns on local module names (as ``Tracer``); they
+            select the traced parameters too.
+        capture: subset of ``fwd_in fwd_out bwd_out bwd_in grad param``.
+    """
+
+    def __init__(self, model: nn.Module, writer: TraceWriter, *, num_microbatches: int = 1,
+                 dp_rank: int | None = None, dp: int | None = None, include: Sequence[str] = ("*",),
+                 exclude: Sequence[str] = (),
+                 capture: Sequence[str] = ("fwd_in", "fwd_out", "bwd_out", "grad", "param")) -> None:
+        import torch.distributed as dist
+        dist_on = dist.is_available() and dist.is_initialized()
+        self.dp = int(dp if dp is not None else (dist.get_world_size() if dist_on else 1))
+        self.dp_rank = int(dp_rank if dp_rank is not None else (dist.get_rank() if dist_on else 0))
+        self.module = getattr(model, "module", model) if type(model).__name__ == "DistributedDataParallel" else model
+        self.writer = writer
+        self.num_microbatches = int(num_microbatches)
+        self.capture = set(capture)
+        self.tracer = Tracer(self.module, writer, include=include, exclude=exclude,
+                             capture=[c for c in capture if c in _MODULE_CAPTURES], grad_scale=1.0 / self.dp)
+        self.params = {local: p for local, (_canon, p) in self.tracer.params.items()}
+        self.placement = ddp_placement(self.dp_rank, self.dp)
+
+    @contextlib.contextmanager
+    def step(self, step: int, writer: TraceWriter | None = None) -> Iterator[DDPTracer]:
+        """Trace one optimizer step into ``writer`` (e.g. a noise sample's, see
+        :class:`tracer.reference.NoiseSampler`) or the tracer's own; flushes at the end."""
+        self.tracer.writer = writer or self.writer
+        try:
+            with self.tracer.step(step):
+                self.microbatch(0)
+                yield self
+        finally:
+            self.tracer.writer = self.writer
+
+    def microbatch(self, i: int) -> None:
+        """Start local microbatch ``i`` (records get the global number ``dp_rank * n + i``)."""
+        self.tracer.set_microbatch(self.dp_rank * self.num_microbatches + int(i))
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        """Record this microbatch's loss (phase ``loss``; call before scaling it)."""
+        self.tracer.record("loss", loss.detach(), "loss")
+
+    def _record_params(self, phase: str, grads: bool) -> None:
+        self.tracer.set_microbatch(0)  # per-step tensors, not of a microbatch
+        for local, p in self.params.items():
+            t = p.grad if grads else p
+            if t is not None:
+                self.tracer.record(local, t.detach(), phase, placement=self.placement, meta={"param": local})
+
+    def after_backward(self) -> None:
+        """Record the reduced gradients (phase ``grad``); call after the last microbatch's
+        backward (DDP's all-reduce has completed when ``backward()`` returns)."""
+        if "grad" in self.capture:
+            self._record_params("grad", grads=True)
+
+    def after_optimizer_step(self) -> None:
+        """Record the updated parameters (phase ``param``); call after ``optimizer.step()``."""
+        if "param" in self.capture:
+            self._record_params("param", grads=False)
+
+    def remove(self) -> None:
+        """Remove every hook."""
+        self.tracer.remove()
+
+
+def dtensor_placement(t: Any, group_names: Sequence[str] | None = None) -> dict[str, Any]:
+    """Placement dict of this rank's local shard of a ``DTensor`` (``t.to_local()``).
+
+    One :class:`~tracer.canonical.ShardDim` per mesh dimension, in mesh order (DTensor
+    shards the outer mesh dimension first, the order :func:`tracer.canonical.assemble`
+    undoes in reverse): ``Shard(d)`` -> ``contiguous`` on dim ``d``, ``Replicate()`` ->
+    ``replicated``, ``Partial()`` -> ``partial`` (a pending sum; other reduce ops are
+    refused). Group names are the mesh's ``mesh_dim_names`` (or ``group_names``, or
+    ``mesh<i>``). ``full_shape`` is the DTensor's global shape. Duck-typed on
+    ``placements``, ``device_mesh`` (``size(i)``, ``get_coordinate()``) and ``shape``.
+
+    Uneven shards: DTensor uses ``torch.chunk`` sizes (``ceil(n / size)`` per rank, the last
+    ranks shorter) while :func:`tracer.canonical.shard` uses ``torch.tensor_split``; assembly
+    (concatenation) is the same, only re-sharding a full tensor differs.
+    """
+    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+    mesh = t.device_mesh
+    names = list(group_names or getattr(mesh, "mesh_dim_names", None) or
+                 [f"mesh{i}" for i in range(len(t.placements))])
+    coord = mesh.get_coordinate()
+    if coord is None:
+        raise ValueError("this rank is not in the DTensor's device mesh")
+    dims = []
+    for i, pl in enumerate(t.placements):
+        rank, size = int(coord[i]), int(mesh.size(i))
+        if isinstance(pl, Shard):
+            dims.append(ShardDim(int(pl.dim) % len(t.shape), names[i], rank, size, "contiguous"))
+        elif isinstance(pl, Replicate):
+            dims.append(ShardDim(None, names[i], rank, size, "replicated"))
+        elif isinstance(pl, Partial):
+            if getattr(pl, "reduce_op", "sum") != "sum":
+                raise ValueError(f"Partial({pl.reduce_op!r}) over {names[i]}: only a pending sum is supported")
+            dims.append(ShardDim(None, names[i], rank, size, "partial"))
+        else:
+            raise TypeError(f"unsupported DTensor placement {pl!r} on mesh dim {i}")
+    return Placement(tuple(dims), full_shape=tuple(t.shape)).to_dict()

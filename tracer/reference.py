@@ -1,0 +1,101 @@
+"""The reference side of a comparison: noisy trajectories that give the thresholds.
+
+A reference run traced with :class:`NoiseSampler` runs every training step ``S + 1`` times
+from the same batch: ``S`` times under :class:`ttrace_num.propagate.noise.NoiseInjector`
+(every modelled op perturbed by its probabilistic local bound for the difference between the
+reference's and the candidate's computation models), each traced into
+``root/noise/sample_<i>``, then once clean (traced by the caller's own writer), which
+advances the run. Each sample is its own trajectory: it continues from its own model and
+optimizer state of the previous step, so its deviations include those propagated from
+earlier steps, as a candidate's do. :mod:`tracer.thresholds` turns the samples into
+per-tensor thresholds; :func:`tracer.check.compare` finds them under ``root/noise``.
+
+The state of a step (model parameters, the optimizer's parameters -- the fp32 main
+parameters of a mixed-precision optimizer -- and its state, e.g. Adam's moments) is
+snapshotted and restored bit for bit around the samples. Cost: ``S`` extra steps per step,
+plus ``S + 1`` copies of the model and optimizer state in memory.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tracer.store import TraceWriter
+
+__all__ = ["NoiseSampler", "StateSnapshot"]
+
+
+class StateSnapshot:
+    """Copies of every tensor a training step changes; :meth:`restore` puts them back bitwise.
+
+    ``optimizer`` is a ``torch.optim.Optimizer`` or a wrapper holding one as ``.optimizer``
+    (megatron-core's optimizers).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: Any) -> None:
+        self.inner = getattr(optimizer, "optimizer", optimizer)
+        self.tensors = list(model.parameters()) + [p for g in self.inner.param_groups for p in g["params"]]
+        self.saved = [t.detach().clone() for t in self.tensors]
+        self.state = {p: _clone_state(st) for p, st in self.inner.state.items()}
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for t, s in zip(self.tensors, self.saved):
+                t.copy_(s)
+        self.inner.state.clear()
+        for p, st in self.state.items():
+            self.inner.state[p] = _clone_state(st)
+
+
+def _clone_state(st: dict) -> dict:
+    return {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in st.items()}
+
+
+class NoiseSampler:
+    """Noisy trajectories of a reference run (see the module docstring).
+
+    Args:
+        model, optimizer: the reference's (wrapped or not).
+        root: the reference's trace directory (samples go to ``root/noise/sample_<i>``).
+        layout, signature: as for the reference's :class:`~tracer.store.TraceWriter`.
+        samples: ``S`` (default 4; more samples estimate the spread better, see :mod:`tracer.thresholds`).
+        seed: noise seed (the thresholds are reproducible).
+        injector_kwargs: passed to :class:`~ttrace_num.propagate.noise.NoiseInjector`, e.g.
+            ``policy`` and ``grad_summation`` describing the candidate's split reductions.
+        custom_functions: ``torch.autograd.Function`` classes whose backward does arithmetic
+            (autograd runs it outside the injector otherwise; see
+            :func:`~ttrace_num.propagate.noise.perturb_custom_backward`).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: Any, root: str | Path, *, layout: dict[str, Any],
+                 signature: str, samples: int = 4, seed: int = 0, injector_kwargs: dict[str, Any] | None = None,
+                 custom_functions: Sequence[type] = ()) -> None:
+        if samples < 1:
+            raise ValueError("need at least one noise sample")
+        self.model, self.optimizer = model, optimizer
+        self.seed = int(seed)
+        self.injector_kwargs = {"mode": "probabilistic", **(injector_kwargs or {})}
+        self.custom_functions = tuple(custom_functions)
+        self.writers = [TraceWriter(Path(root) / "noise" / f"sample_{i}", 0, 1, layout, signature,
+                                    run_id=f"noise{i}") for i in range(samples)]
+        self.states: list[StateSnapshot] = []
+
+    def sample_step(self, step: int, traced_step: Callable[[TraceWriter], Any]) -> None:
+        """Run the noise samples of ``step``; ``traced_step(writer)`` must run one whole training
+        step (forward, backward, optimizer step) traced into ``writer``. Leaves the model and
+        optimizer in the state they had before, ready for the clean step."""
+        from ttrace_num.propagate.noise import NoiseInjector, perturb_custom_backward
+        clean = StateSnapshot(self.model, self.optimizer)
+        if not self.states:
+            self.states = [clean] * len(self.writers)
+        for i, w in enumerate(self.writers):
+            self.states[i].restore()
+            gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 101 + i)
+            inj = NoiseInjector(gen, **self.injector_kwargs)
+            with inj, perturb_custom_backward(inj, *self.custom_functions):
+                traced_step(w)
+            self.states[i] = StateSnapshot(self.model, self.optimizer)
+        clean.restore()
