@@ -23,7 +23,7 @@ import torch
 pytest.importorskip("megatron.core")
 
 from examples.gloo import run_gloo
-from examples.megatron_cpu.bugs import BUGS
+from examples.megatron_cpu.bugs import BUGS, bug
 from tracer.canonical import Placement, assemble, shard
 from tracer.check import compare
 from tracer.errors import CorruptTraceError, IncomparableRunsError, MissingRankError
@@ -35,41 +35,98 @@ DTYPES = ("fp32", "bf16")
 LAYOUTS = {"tp2.pp2.sp": {"tp": 2, "pp": 2, "dp": 1, "sp": True, "distopt": False},
            "tp2.dp2.sp.distopt": {"tp": 2, "pp": 1, "dp": 2, "sp": True, "distopt": True}}
 BUG_LAYOUT = "tp2.pp2.sp"
-TESTED_BUGS = ("sp_norm_grad_not_reduced", "vocab_ce_local_denominator", "grad_norm_undercounts_tp_shards")
+TESTED_BUGS = ("sp_norm_grad_not_reduced", "vocab_ce_local_denominator", "grad_norm_undercounts_tp_shards",
+               "row_parallel_partial_scaled")
+
+
+@bug("row_parallel_partial_scaled", catalogue="-", bug_class="wrong computation in one rank's shard (forward)",
+     needs={"tp": 2}, expected_phase="fwd", expected_name="decoder.layers.1.mlp.linear_fc2.output.0",
+     doc="on TP rank 1 the row-parallel fc2 of global layer 1 multiplies its input shard by 1 + 2^-4 "
+         "before its GEMM: one rank's partial sum is wrong, the all-reduced output diverges")
+def _row_partial(model, config, optimizer):
+    from megatron.core import parallel_state as ps
+    from tracer.megatron import unwrap
+    inner = unwrap(model)
+    layers = inner.decoder.layers if hasattr(inner, "decoder") else []
+    targets = [layer.mlp.linear_fc2 for layer in layers if layer.layer_number == 2]
+    if ps.get_tensor_model_parallel_rank() != 1:
+        targets = []
+    for m in targets:
+        m.forward = (lambda orig: lambda x, *a, **k: orig(x * (1 + 2 ** -4), *a, **k))(m.forward)
+
+    def undo():
+        for m in targets:
+            del m.forward  # back to the class's method
+    return undo
 NOISE_SAMPLES = 4
 GLOBAL_BATCH = 2
 
 
-def _worker(rank: int, world: int, jobs: list[dict]) -> list[float]:
+def _worker(rank: int, world: int, jobs: list[dict]) -> dict[str, dict]:
     import warnings
     warnings.filterwarnings("ignore", category=UserWarning)
     warnings.filterwarnings("ignore", category=FutureWarning)
     from examples.megatron_cpu.gpt import build_and_train
-    t = []
+    out = {}
     for j in jobs:
-        t0 = time.perf_counter()
-        build_and_train(j["layout"], steps=STEPS, seed=j["seed"], dtype=j["dtype"], global_batch=GLOBAL_BATCH,
-                        trace=j["trace"], bug=j.get("bug"))
-        t.append(time.perf_counter() - t0)
-    return t
+        r = build_and_train(j["layout"], steps=STEPS, seed=j["seed"], dtype=j["dtype"], global_batch=GLOBAL_BATCH,
+                            trace=j["trace"], bug=j.get("bug"))
+        out[j["name"]] = {"losses": [float(x) for x in r["losses"]], "digest": r["param_digest"]}
+    return out
+
+
+def _jobs(root: Path, layout: dict, name: str, dtype: str, seed: int, **kw) -> list[dict]:
+    """A traced job, and (``untraced=True``) the same run without tracing, for the bitwise check."""
+    untraced = kw.pop("untraced", False)
+    job = {"name": name, "layout": layout, "seed": seed, "dtype": dtype,
+           "trace": {"root": str(root / name), **kw.pop("trace", {})}, **kw}
+    return [job] + ([{**job, "name": name + "_untraced", "trace": None}] if untraced else [])
 
 
 @pytest.fixture(scope="module")
-def traces(tmp_path_factory) -> Path:
+def runs(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
     root = tmp_path_factory.mktemp("megatron_traces")
-    refs = [{"layout": {"tp": 1, "pp": 1, "dp": 1}, "seed": s, "dtype": d,
-             "trace": {"root": str(root / f"ref_{d}_{s}"), "noise_samples": NOISE_SAMPLES, "noise_tp": 2}}
-            for d in DTYPES for s in SEEDS]
-    cands = [{"layout": lay, "seed": s, "dtype": d, "trace": {"root": str(root / f"{name}_{d}_{s}")}}
-             for name, lay in LAYOUTS.items() for d in DTYPES for s in SEEDS]
-    cands += [{"layout": LAYOUTS[BUG_LAYOUT], "seed": 0, "dtype": "bf16", "bug": b,
-               "trace": {"root": str(root / f"bug_{b}")}} for b in TESTED_BUGS]
+    ref_lay = {"tp": 1, "pp": 1, "dp": 1}
+    refs = [j for d in DTYPES for s in SEEDS
+            for j in _jobs(root, ref_lay, f"ref_{d}_{s}", d, s, untraced=(d, s) == ("bf16", 0),
+                           trace={"noise_samples": NOISE_SAMPLES, "noise_tp": 2})]
+    cands = [j for name, lay in LAYOUTS.items() for d in DTYPES for s in SEEDS
+             for j in _jobs(root, lay, f"{name}_{d}_{s}", d, s, untraced=(d, s) == ("bf16", 0))]
+    cands += [j for b in TESTED_BUGS for j in _jobs(root, LAYOUTS[BUG_LAYOUT], f"bug_{b}", "bf16", 0, bug=b)]
+    cands += _jobs(root, LAYOUTS[BUG_LAYOUT], "stats_clean", "bf16", 0, trace={"mode": "stats"})
+    cands += _jobs(root, LAYOUTS[BUG_LAYOUT], "stats_bug", "bf16", 0, trace={"mode": "stats"},
+                   bug="sp_norm_grad_not_reduced")
     t = time.perf_counter()
-    run_gloo(_worker, 1, refs)
+    ref_out = run_gloo(_worker, 1, refs)
     t1 = time.perf_counter()
-    run_gloo(_worker, 4, cands)
+    cand_out = run_gloo(_worker, 4, cands)
     print(f"\ntraced references in {t1 - t:.0f} s, candidates in {time.perf_counter() - t1:.0f} s")
-    return root
+    results = {name: [r[name] for r in out] for out in (ref_out, cand_out) for name in out[0]}
+    return root, results
+
+
+@pytest.fixture(scope="module")
+def traces(runs) -> Path:
+    return runs[0]
+
+
+@pytest.mark.parametrize("name", ["ref_bf16_0"] + [f"{lay}_bf16_0" for lay in sorted(LAYOUTS)])
+def test_tracing_changes_no_numerics(runs, name):
+    """Loss and every parameter (per rank) bitwise equal with and without the tracer; for the
+    reference also with its noise samples (state snapshot and restore are bitwise)."""
+    _, res = runs
+    assert [r["losses"] for r in res[name]] == [r["losses"] for r in res[name + "_untraced"]]
+    assert [r["digest"] for r in res[name]] == [r["digest"] for r in res[name + "_untraced"]]
+
+
+def test_stats_only_candidate(traces):
+    """A candidate traced in statistics-only mode: clean is consistent; the SP norm bug is
+    still caught from the norms alone (| ||c|| - ||r|| | is a lower bound of the error)."""
+    clean = compare(traces / "ref_bf16_0", traces / "stats_clean")
+    assert clean.first is None and clean.counts().get("ok", 0) > 300
+    bad = compare(traces / "ref_bf16_0", traces / "stats_bug")
+    assert bad.first is not None and bad.first.step == 0
+    assert bad.first.name == "decoder.layers.0.input_layernorm.weight" and "stats-only" in bad.first.note
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -94,6 +151,23 @@ def test_bug_detected_at_expected_tensor(traces, name):
     assert c.first.phase == bug.expected_phase, c.first
     assert fnmatch.fnmatchcase(c.first.name, bug.expected_name), c.first
     assert c.first.step == 0
+
+
+def test_rerun_localises_a_forward_bug(traces):
+    """The first divergence of the forward bug is re-run on the reference's module: the
+    module itself is wrong; the next layer's output, re-run on its (divergent) inputs, is not."""
+    from dataclasses import replace
+
+    from examples.megatron_cpu.localise import rerun_first_divergence
+    c = compare(traces / "ref_bf16_0", traces / "bug_row_parallel_partial_scaled")
+    v = rerun_first_divergence(c, seed=0, dtype="bf16", global_batch=GLOBAL_BATCH)
+    print(f"\n{v}")
+    assert v is not None and v.module_is_wrong and v.module == "decoder.layers.1.mlp.linear_fc2"
+    later = next(r for r in c.rows if r.step == 0 and r.phase == "fwd" and r.microbatch == c.first.microbatch
+                 and r.name == "decoder.final_layernorm.output" and r.status == "over")
+    v2 = rerun_first_divergence(replace(c, first=later), seed=0, dtype="bf16", global_batch=GLOBAL_BATCH)
+    print(v2)
+    assert v2 is not None and not v2.module_is_wrong
 
 
 def test_bug_classes_differ():

@@ -36,7 +36,7 @@ from tracer.errors import IncomparableRunsError, TraceError
 from tracer.store import TraceReader
 from tracer.thresholds import DEFAULT_FALSE_ALARM, noise_threshold, unmodelled_threshold
 
-__all__ = ["TensorCheck", "Comparison", "compare", "noise_dirs", "localise"]
+__all__ = ["Comparison", "TensorCheck", "assembled_records", "compare", "localise", "noise_dirs"]
 
 Key = tuple[str, str, int, int]  # phase, name, microbatch, call
 
@@ -228,6 +228,59 @@ def _storage_rounding_excess(phase: str, dtype: torch.dtype, ref: torch.Tensor):
     return lambda x: ((x - ref).abs() - 2 * half_ulp(torch.maximum(x.abs(), ref.abs()), fmt)).clamp_min(0.0)
 
 
+def _stats_norm(entries: dict[int, dict[str, Any]]) -> float | None:
+    """Norm of the full tensor from the shards' stored norms: shards of a split add in
+    squares, replicas count once; None when a level is a pending sum (partial) or a norm
+    is missing (non-finite values)."""
+    pl = {r: Placement.from_dict(e["placement"] or {"dims": []}) for r, e in entries.items()}
+    if any(d.kind == "partial" for p in pl.values() for d in p.dims):
+        return None
+    seen: set[tuple] = set()
+    total = 0.0
+    for r, e in entries.items():
+        coords = tuple((d.rank, d.start) for d in pl[r].dims if d.kind != "replicated")
+        if coords in seen:
+            continue
+        seen.add(coords)
+        n = e["stats"].get("norm")
+        if n is None:
+            return None
+        total += float(n) ** 2
+    return math.sqrt(total)
+
+
+def _check_stats(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor,
+                 cand_entries: dict[int, dict[str, Any]], noisy: list[torch.Tensor], false_alarm: float
+                 ) -> TensorCheck:
+    """A candidate traced in statistics-only mode: ``| ||c|| - ||r|| | <= ||c - r||`` (reverse
+    triangle inequality) is a lower bound of the error, so exceeding the threshold with it is
+    a sound detection (a difference that keeps the norm goes unseen)."""
+    phase, name, mb, call = key
+    r = ref_t.detach().double()
+    base = dict(step=step, phase=phase, name=name, microbatch=mb, call=call, index=int(ref_e["index"]),
+                module=str(ref_e["meta"].get("module", ref_e["meta"].get("param", ""))),
+                shape=list(ref_t.shape), dtype=str(ref_e["dtype"]))
+    ref_norm = float(torch.linalg.vector_norm(r))
+    bad = sum(e["stats"]["nan_count"] + e["stats"]["inf_count"] for e in cand_entries.values())
+    if bad and bool(torch.isfinite(r).all()):
+        return TensorCheck(**base, status="nonfinite", error=math.inf, threshold=0.0, ratio=math.inf,
+                           max_abs=math.inf, ref_norm=ref_norm,
+                           note=f"NaN/Inf in the candidate ({bad} values over its shards), none in the reference")
+    cn = _stats_norm(cand_entries)
+    if cn is None or not noisy or not math.isfinite(ref_norm):
+        return TensorCheck(**base, status="unchecked", error=math.nan, threshold=math.nan, ratio=math.nan,
+                           max_abs=math.nan, ref_norm=ref_norm,
+                           note="stats-only candidate: no norm to compare (pending sum, NaN/Inf or no noise)")
+    th = noise_threshold(r, [n.double() for n in noisy], false_alarm)
+    if th.threshold == 0.0 and ref_t.is_floating_point():
+        th = unmodelled_threshold(r, ref_t.dtype)
+    err = abs(cn - ref_norm)
+    ratio = err / th.threshold if th.threshold > 0 else (0.0 if err == 0 else math.inf)
+    return TensorCheck(**base, status="over" if ratio > 1 else "ok", error=err, threshold=th.threshold,
+                       ratio=ratio, max_abs=math.nan, ref_norm=ref_norm, n_eff=th.n_eff, factor=th.factor,
+                       note="stats-only candidate: error is the lower bound | ||cand|| - ||ref|| |")
+
+
 def _progress(total: int, enabled: bool):
     if not enabled:
         return None
@@ -287,11 +340,14 @@ def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str
     rows = []
     for s, k, ref_e, cand_entries, noise_es in plan:
         ref_t = ref.load(s, 0, ref_e["key"])
-        cand_t, notes = _full(cand, s, cand_entries, k[1])
         noisy = [n.load(s, 0, e["key"]) for n, e in zip(noisy_readers, noise_es) if e is not None]
         if len(noisy) != len(noise_es):
             noisy = []
-        rows.append(_check_one(s, k, ref_e, ref_t, cand_t, notes, noisy, per_tensor, cand_entries))
+        if cand.manifest(s, next(iter(cand_entries)))["mode"] == "stats":
+            rows.append(_check_stats(s, k, ref_e, ref_t, cand_entries, noisy, per_tensor))
+        else:
+            cand_t, notes = _full(cand, s, cand_entries, k[1])
+            rows.append(_check_one(s, k, ref_e, ref_t, cand_t, notes, noisy, per_tensor, cand_entries))
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -299,6 +355,38 @@ def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str
     first = next((r for r in rows if r.status not in ("ok", "unchecked")), None)
     return Comparison(str(reference), str(candidate), cand.run.get("layout", {}), rows, first,
                       localise(rows, first), unmatched, len(noisy_readers), false_alarm)
+
+
+def assembled_records(trace: str | Path, step: int, phase: str, microbatch: int, prefix: str
+                      ) -> dict[str, torch.Tensor]:
+    """Full (assembled) tensors of one trace whose name starts with ``prefix``, for one step,
+    phase and microbatch (first call of each), e.g. a module's inputs for a re-run."""
+    reader = TraceReader(trace)
+    out = {}
+    for (ph, name, mb, call), ents in _index_by_key(reader, step).items():
+        if ph == phase and mb == microbatch and call == 0 and name.startswith(prefix):
+            out[name] = _full(reader, step, ents, name)[0]
+    return out
+
+
+#: phase of the first divergence -> (which rows feed it, verdict when they all agree, verdict
+#: otherwise or None)
+_UPSTREAM = {
+    "fwd": (lambda r, f: r.phase == "fwd" and r.microbatch == f.microbatch
+            and r.name.startswith(f.name.split(".output")[0] + ".input"),
+            "module {mod} is wrong: its inputs agree with the reference (worst {worst}) but its output does not",
+            "the output of {mod} diverges; its inputs diverge too or were not traced"),
+    "grad": (lambda r, f: r.phase == "grad_local" and r.name == f.name,
+             "the cross-rank reduction of {name}'s gradient is wrong: every rank's contribution agrees with "
+             "the reference (worst {worst}) but the reduced gradient does not",
+             "the gradient of {name} is already wrong before the reduction"),
+    "param": (lambda r, f: r.phase == "grad" and r.name == f.name,
+              "the optimizer update of {name} is wrong: its reduced gradient agrees with the reference "
+              "(worst {worst})", None),
+    "grad_norm": (lambda r, f: r.phase == "grad",
+                  "the grad norm is wrong although every reduced gradient agrees with the reference (worst "
+                  "{worst}): the norm computation (which shards are counted, over which group) is wrong", None),
+}
 
 
 def localise(rows: list[TensorCheck], first: TensorCheck | None) -> str:
@@ -315,31 +403,15 @@ def localise(rows: list[TensorCheck], first: TensorCheck | None) -> str:
         return (f"the copies of {first.name} that the candidate's metadata marks as replicated differ across "
                 f"ranks ({first.note}): a reduction over that group is missing, or a rank skipped or "
                 "repeated a collective on this tensor")
-    if first.phase == "fwd" and ".output" in first.name:
-        mod = first.name.split(".output")[0]
-        ins = [r for r in same if r.microbatch == first.microbatch and r.phase == "fwd"
-               and r.name.startswith(mod + ".input")]
+    upstream = _UPSTREAM.get(first.phase if first.phase != "fwd" or ".output" in first.name else "")
+    if upstream is not None:
+        feeds, if_ok, otherwise = upstream
+        ins = [r for r in same if feeds(r, first)]
+        name, mod = first.name, first.name.split(".output")[0]
         if ins and all(r.status == "ok" for r in ins):
-            return (f"module {mod or '(root)'} is wrong: its inputs agree with the reference "
-                    f"(worst {worst(ins)}) but its output does not")
-        return f"the output of {mod} diverges; its inputs were not traced, so the module may be wrong"
-    if first.phase == "grad":
-        local = [r for r in same if r.phase == "grad_local" and r.name == first.name]
-        if local and all(r.status == "ok" for r in local):
-            return (f"the cross-rank reduction of {first.name}'s gradient is wrong: every rank's contribution "
-                    f"agrees with the reference (worst {worst(local)}) but the reduced gradient does not")
-        return f"the gradient of {first.name} is already wrong before the reduction"
-    if first.phase == "param":
-        g = [r for r in same if r.phase == "grad" and r.name == first.name]
-        if g and all(r.status == "ok" for r in g):
-            return (f"the optimizer update of {first.name} is wrong: its reduced gradient agrees with the "
-                    f"reference (worst {worst(g)})")
-    if first.phase == "grad_norm":
-        g = [r for r in same if r.phase == "grad"]
-        if g and all(r.status == "ok" for r in g):
-            return ("the grad norm is wrong although every reduced gradient agrees with the reference "
-                    f"(worst {worst(g)}): the norm computation (which shards are counted, over which "
-                    "group) is wrong")
+            return if_ok.format(name=name, mod=mod or "(root)", worst=worst(ins))
+        if otherwise:
+            return otherwise.format(name=name, mod=mod or "(root)")
     if first.phase == "bwd":
         return (f"the gradient flowing into {first.name.split('.output_grad')[0]} diverges first: the "
                 "module that consumes this tensor computes a wrong backward (the forward agreed)")

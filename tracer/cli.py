@@ -15,8 +15,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from ttrace_num.cli import build_parser as numerics_parser
 from tracer.errors import TraceError
+from ttrace_num.cli import build_parser as numerics_parser
 
 
 def cmd_compare(args: argparse.Namespace) -> int:

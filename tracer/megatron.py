@@ -49,7 +49,7 @@ from tracer.canonical import Placement, ShardDim, layer_offset, renumber
 from tracer.hooks import Tracer
 from tracer.store import TraceWriter
 
-__all__ = ["MegatronTracer", "ACTIVATION_RULES", "parallel_layout", "unwrap", "reference_noise", "noise_policy"]
+__all__ = ["ACTIVATION_RULES", "MegatronTracer", "noise_policy", "parallel_layout", "reference_noise", "unwrap"]
 
 #: Role of each traced tensor of a module class -> how it is split over TP.
 #: Values: ``"seq"`` (dim 0 split over TP under sequence parallelism, else replicated),
@@ -352,7 +352,9 @@ def _megatron_functions() -> tuple[type, ...]:
     """megatron-core's autograd Functions whose backward does arithmetic (GEMMs, the
     vocab-parallel cross entropy's softmax)."""
     from megatron.core.tensor_parallel.cross_entropy import _VocabParallelCrossEntropy
-    from megatron.core.tensor_parallel.layers import LinearWithGradAccumulationAndAsyncCommunication
+    from megatron.core.tensor_parallel.layers import (
+        LinearWithGradAccumulationAndAsyncCommunication,
+    )
     return (LinearWithGradAccumulationAndAsyncCommunication, _VocabParallelCrossEntropy)
 
 

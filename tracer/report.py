@@ -12,7 +12,7 @@ from pathlib import Path
 
 from tracer.check import Comparison
 
-__all__ = ["summary", "write_json", "plot"]
+__all__ = ["plot", "summary", "write_json"]
 
 _PHASE_COLOURS = {"fwd": "tab:blue", "loss": "tab:purple", "bwd": "tab:orange", "grad_local": "tab:olive",
                   "grad": "tab:green", "grad_norm": "tab:brown", "param": "tab:red"}

@@ -35,8 +35,14 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from tracer.errors import (CorruptTraceError, IncomparableRunsError, ManifestMismatchError,
-                           MissingRankError, TraceError, TraceWriteError)
+from tracer.errors import (
+    CorruptTraceError,
+    IncomparableRunsError,
+    ManifestMismatchError,
+    MissingRankError,
+    TraceError,
+    TraceWriteError,
+)
 
 SCHEMA_VERSION = 1
 MODES = ("full", "stats")
@@ -621,7 +627,7 @@ def comparability_problems(ref: TraceReader, cand: TraceReader, *,
         for step in sorted(rs & cs):
             rn, cn = ref.names(step), cand.names(step)
             if rn != cn:
-                fmt = lambda s: sorted(f"{p}:{n}:mb{mb}" for p, n, mb in s)[:5]  # noqa: E731
+                fmt = lambda s: sorted(f"{p}:{n}:mb{mb}" for p, n, mb in s)[:5]
                 problems.append(f"names present at step {step}: only in reference {fmt(rn - cn)} "
                                 f"({len(rn - cn)}), only in candidate {fmt(cn - rn)} ({len(cn - rn)})")
     return problems

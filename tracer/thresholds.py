@@ -61,7 +61,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["NoiseThreshold", "noise_threshold", "unmodelled_threshold", "DEFAULT_FALSE_ALARM"]
+__all__ = ["DEFAULT_FALSE_ALARM", "NoiseThreshold", "noise_threshold", "unmodelled_threshold"]
 
 #: False-alarm probability of a whole comparison under the equal-variance assumption; the
 #: checker gives each of its N tensors ``DEFAULT_FALSE_ALARM / N`` (Bonferroni).

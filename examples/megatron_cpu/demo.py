@@ -6,8 +6,10 @@
    ``--noise-samples`` noisy trajectories for the thresholds (:mod:`examples.megatron_cpu.traced`);
 2. candidate: TP=2 + SP + PP=2 with the distributed optimizer, 4 gloo ranks, traced twice:
    clean, then with ``--bug`` injected (:mod:`examples.megatron_cpu.bugs`);
-3. both candidates compared with :func:`tracer.check.compare`; a summary is printed and a
-   JSON report and a PNG plot per candidate are written under ``--out``.
+3. both candidates compared with :func:`tracer.check.compare`; a summary is printed (and, when
+   the first divergence is a module's forward output, that module is re-run on the
+   candidate's inputs: :mod:`examples.megatron_cpu.localise`), and a JSON report and a PNG
+   plot per candidate are written under ``--out``.
 """
 from __future__ import annotations
 
@@ -89,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         c = compare(out / "ref", out / name, progress=sys.stderr.isatty())
         print(f"\n== {title} (compared in {time.perf_counter() - t:.1f} s) ==")
         print(summary(c))
+        if c.first is not None and c.first.phase == "fwd":
+            from examples.megatron_cpu.localise import rerun_first_divergence
+            print(f"  {rerun_first_divergence(c, seed=a.seed, dtype=a.dtype, noise_tp=CANDIDATE['tp'])}")
         j, p = write_json(c, out / f"report_{name}.json"), plot(c, out / f"report_{name}.png", title=title)
         print(f"  report: {j}  plot: {p}")
         expected_ok = (c.first is None) if name == "cand_clean" else (c.first is not None)

@@ -57,6 +57,27 @@ def _shape_keyed_init(seed: int, std: float):
     return init
 
 
+def _digest(model) -> str:
+    """SHA-256 of this rank's parameters' bytes (bitwise comparison of runs)."""
+    import hashlib
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        h.update(name.encode())
+        h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def _rerun(model, rerun: dict, dtype: str):
+    """Re-run one module of this (single-process) model on the candidate's inputs."""
+    from tracer.localise import rerun_module
+    from tracer.megatron import noise_policy, unwrap
+    modules = dict(unwrap(model).named_modules())
+    if rerun["module"] not in modules:
+        raise ValueError(f"no module {rerun['module']!r} in the reference model")
+    return rerun_module(modules[rerun["module"]], rerun["module"], rerun["args"], rerun["kwargs"], rerun["output"],
+                        policy=noise_policy(int(rerun.get("noise_tp", 2)), dtype))
+
+
 def _signature(sizes: dict, seed: int, dtype: str, global_batch: int) -> str:
     """What must agree for two traces to be comparable: model sizes, seeds, batch, dtype."""
     return "megatron-gpt:" + ",".join(f"{k}={v}" for k, v in sorted(sizes.items())) + \
@@ -74,6 +95,7 @@ def build_and_train(layout: dict, steps: int = 3, seed: int = 1234, dtype: str =
                     clip_grad: float = 1.0, batch_seed: int | None = None,
                     untag_sp_norm: bool = False, zero_grad_of: str | None = None,
                     zero_grad_rank: int = 0, trace: dict | None = None, bug: str | None = None,
+                    rerun: dict | None = None,
                     **config_overrides: Any) -> dict:
     """Build the tiny GPT for ``layout``, train ``steps`` Adam steps, return this rank's record.
 
@@ -98,6 +120,11 @@ def build_and_train(layout: dict, steps: int = 3, seed: int = 1234, dtype: str =
             times under ``ttrace_num``'s noise injector, from the same state, into
             ``root/noise/sample_<i>`` (see :mod:`examples.megatron_cpu.traced`).
         bug: name of a bug from :mod:`examples.megatron_cpu.bugs` to inject into this run.
+        rerun: localisation (single process only): ``{"step": t, "module": canonical name,
+            "args": [...], "kwargs": {...}, "output": candidate's output, "noise_tp": T}``:
+            train up to step ``t``, then re-run that module of this (reference) model on the
+            candidate's inputs (:func:`tracer.localise.rerun_module`) and return the verdict
+            as ``result["rerun"]`` instead of training step ``t``.
         config_overrides: model sizes (``DEFAULT_MODEL`` keys) or ``TransformerConfig`` fields.
 
     Returns:
@@ -237,7 +264,11 @@ def build_and_train(layout: dict, steps: int = 3, seed: int = 1234, dtype: str =
         if bug is not None:  # after the tracer: a bug acts inside the run the tracer observes
             from examples.megatron_cpu.bugs import inject
             undo_bug = inject(bug, model=model, config=config, optimizer=optimizer)
+        verdict = None
         for step in range(steps):
+            if rerun is not None and step == rerun["step"]:
+                verdict = _rerun(model, rerun, dtype)
+                break
             ts = time.perf_counter()
             if traced is None:
                 forward_backward()
@@ -256,7 +287,8 @@ def build_and_train(layout: dict, steps: int = 3, seed: int = 1234, dtype: str =
                           "pp": ps.get_pipeline_model_parallel_rank(), "dp": dp_rank},
                 "losses": losses, "grad_norms": grad_norms, "step_s": step_s, "build_s": build_s,
                 "num_microbatches": num_mb, "dtype": dtype,
-                "trace": traced.summary() if traced is not None else None}
+                "trace": traced.summary() if traced is not None else None, "rerun": verdict,
+                "param_digest": _digest(model)}
     finally:
         if traced is not None:
             traced.close()
