@@ -1,0 +1,398 @@
+"""Cost of tracing and comparing, on real megatron-core (CPU/gloo).
+
+    python -m bench.tracer_cost [--quick] [--write docs/cost.md] [--out DIR] [--keep]
+
+Measured on two models: the demo model (``examples.megatron_cpu.gpt.DEFAULT_MODEL``) and a
+larger one (hidden 256, 4 layers, ffn 1024, seq 128, vocab 1024), in bf16 with fp32 main
+params (the demo's dtype), global batch 4 (large: 1) in micro batches of 1, on two layouts: one process
+(world 1, tp1) and tp2+sp (world 2). One gloo launch per world size runs every job.
+
+1. **Tracing overhead**: the median wall time of a traced step over that of an untraced
+   step (``build_and_train``'s ``step_s``, first step dropped as warm-up; world 2: the
+   slowest rank per step), for ``TraceWriter`` mode ``stats`` (manifests only) and ``full``
+   (tensors too). Modes run in turn, ``--reps`` times in a rotated order, and the measured
+   steps of every repetition are pooled, so that a slow patch of a shared machine does not
+   land on one mode only.
+2. **Trace bytes per step and rank** (manifest + tensor file), full and stats.
+3. **Compare throughput**: :func:`tracer.check.compare` of the tp2 candidate against the
+   world-1 reference (with its noise samples), in GB of reference + candidate trace (the
+   noise samples, also read, in a separate column) per second, over the first
+   ``--compare-steps`` steps; then one ``cProfile`` run of a comparison (``--profile-model``,
+   default the demo's: the large one takes minutes), split into where the time goes. Stats-only
+   tracing and a noise sample are profiled too (demo, 2-step runs).
+4. **Cost of the thresholds**: the reference traced with ``S`` noise samples against the
+   same reference without them; the difference per step, per noise sample, over a clean
+   traced step (a noise sample re-runs the step under ``ttrace_num``'s noise injector, from
+   a snapshot of the model and optimizer state).
+
+Timings are wall time on whatever the machine gives (the load average is printed): on a
+shared 2-core machine they move from run to run (the demo's untraced step took 95 ms in one
+run and 330 ms in another under a load average of ~50).
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from examples.gloo import run_gloo
+from examples.megatron_cpu.gpt import DEFAULT_MODEL, layout_name
+
+MODELS: dict[str, dict[str, int]] = {
+    "demo": dict(DEFAULT_MODEL),
+    "large": {"num_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "ffn_hidden_size": 1024,
+              "vocab_size": 1024, "seq_length": 128},
+}
+LAYOUTS: dict[int, dict[str, Any]] = {1: {"tp": 1, "pp": 1, "dp": 1},
+                                      2: {"tp": 2, "pp": 1, "dp": 1, "sp": True}}
+MODES = ("untraced", "stats", "full")
+#: sequences per step (micro batches of 1): the large model takes 1, to keep a bf16 step near 2 s
+#: on one CPU thread (with 4 sequences it took ~6.5 s)
+GLOBAL_BATCH = {"demo": 4, "large": 1}
+SEED = 1234
+
+
+def _model_desc(model: str) -> str:
+    sizes = MODELS[model]
+    return (f"hidden {sizes['hidden_size']}, {sizes['num_layers']} layers, ffn {sizes['ffn_hidden_size']}, "
+            f"seq {sizes['seq_length']}, vocab {sizes['vocab_size']}, global batch {GLOBAL_BATCH[model]}")
+
+
+def _worker(rank: int, world: int, jobs: list[dict]) -> list[dict]:
+    """Run every job of one launch; return this rank's step times per job."""
+    import warnings
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    from examples.megatron_cpu.gpt import build_and_train
+    out = []
+    for j in jobs:
+        t = time.perf_counter()
+        prof = cProfile.Profile() if j.get("profile") else None
+        if prof is not None:
+            prof.enable()
+        r = build_and_train(j["layout"], steps=j["steps"], seed=SEED, dtype=j["dtype"],
+                            global_batch=j["global_batch"], trace=j["trace"], **j["sizes"])
+        rec = {"step_s": list(r["step_s"]), "build_s": r["build_s"], "total_s": time.perf_counter() - t}
+        if prof is not None:
+            prof.disable()
+            rec["profile"] = _profile_text(prof, j["profile"])
+        out.append(rec)
+        if rank == 0:
+            print(f"    [world {world}] {j['model']:5s} {j['label']:12s} steps "
+                  f"{' '.join(f'{s:.3f}' for s in r['step_s'])} s", flush=True)
+    return out
+
+
+def _profile_text(prof: cProfile.Profile, restrict: str, n: int = 14) -> str:
+    """The ``n`` functions with most own time, then the ``n`` functions of ``restrict`` (a
+    regular expression on file paths) with most cumulative time."""
+    out = []
+    for key, pattern in (("tottime", None), ("cumulative", restrict)):
+        buf = io.StringIO()
+        st = pstats.Stats(prof, stream=buf)
+        st.sort_stats(key).print_stats(*((pattern, n) if pattern else (n,)))
+        lines = [ln.replace(str(Path(__file__).resolve().parents[1]) + os.sep, "")
+                 for ln in buf.getvalue().splitlines() if ln.strip()]
+        lines = [ln for ln in lines if not ln.lstrip().startswith(("Ordered by", "List reduced"))]
+        out.append(f"-- by {key}" + (f" (files matching {pattern!r})" if pattern else "") + ":\n"
+                   + "\n".join(ln[:160] for ln in lines))
+    return "\n".join(out)
+
+
+def _jobs(world: int, out: Path, *, steps: int, reps: int, dtype: str, noise_samples: int,
+          profile: bool = True) -> list[dict]:
+    """The jobs of one launch: every model x mode x repetition (rotated order); on world 1 also
+    the reference with noise samples (full mode), which is the comparison's reference."""
+    jobs = []
+    for model in MODELS:
+        for rep in range(reps):
+            for i in range(len(MODES)):
+                mode = MODES[(i + rep) % len(MODES)]
+                root = out / f"w{world}" / model / f"{mode}_r{rep}"
+                trace = None if mode == "untraced" else {"root": str(root), "mode": mode}
+                jobs.append({"model": model, "mode": mode, "rep": rep, "label": f"{mode} r{rep}",
+                             "layout": LAYOUTS[world], "steps": steps, "dtype": dtype, "trace": trace})
+        if world == 1 and noise_samples:
+            root = out / "w1" / model / "noise"
+            jobs.append({"model": model, "mode": "noise", "rep": 0, "label": f"noise S={noise_samples}",
+                         "layout": LAYOUTS[1], "steps": steps, "dtype": dtype,
+                         "trace": {"root": str(root), "mode": "full", "noise_samples": noise_samples,
+                                   "noise_tp": LAYOUTS[2]["tp"]}})
+    if world == 1 and profile:  # where the tracing and the noise samples spend their time
+        for mode, extra in (("stats", {}), ("full", {"noise_samples": 1, "noise_tp": LAYOUTS[2]["tp"]})):
+            root = out / "w1" / "demo" / f"profile_{mode}"
+            jobs.append({"model": "demo", "mode": f"profile {mode}", "rep": 0, "label": f"profile {mode}",
+                         "layout": LAYOUTS[1], "steps": 2, "dtype": dtype, "profile": "tracer/|ttrace_num/",
+                         "trace": {"root": str(root), "mode": mode, **extra}})
+    for j in jobs:  # the workers re-import this module: give them the sizes, not a name to look up
+        j["sizes"], j["global_batch"] = dict(MODELS[j["model"]]), GLOBAL_BATCH[j["model"]]
+    return jobs
+
+
+def _measured(jobs: list[dict], per_rank: list[list[dict]], model: str, mode: str) -> list[float]:
+    """Pooled step times (slowest rank per step, warm-up step dropped) of one model and mode."""
+    out = []
+    for i, j in enumerate(jobs):
+        if j["model"] == model and j["mode"] == mode:
+            steps = zip(*(r[i]["step_s"] for r in per_rank))
+            out += [max(s) for s in steps][1:]
+    return out
+
+
+def trace_bytes(root: Path, rank: int) -> tuple[float, int]:
+    """Mean bytes per step of ``rank``'s files (manifest + tensors) under ``root``, and the step count."""
+    steps = sorted(p for p in root.glob("step_*") if p.is_dir())
+    if not steps:
+        return 0.0, 0
+    total = sum(f.stat().st_size for s in steps for f in s.glob(f"rank_{rank:05d}.*"))
+    return total / len(steps), len(steps)
+
+
+def _dir_bytes(root: Path, *, noise: bool, steps: int | None = None) -> int:
+    """Bytes of the step directories of a trace (the first ``steps`` steps, default all), without
+    (``noise=False``) or only (``noise=True``) its noise samples (``root/noise/sample_*``)."""
+    bases = sorted((root / "noise").glob("sample_*")) if noise else [root]
+    total = 0
+    for base in bases:
+        dirs = sorted(p for p in base.glob("step_*") if p.is_dir())
+        for d in dirs[:steps]:
+            total += sum(f.stat().st_size for f in d.iterdir() if f.is_file())
+    return total
+
+
+#: functions whose cumulative time the profile table shows: (label, file suffix, function name)
+PROFILE_PARTS = (
+    ("compare (total)", "tracer/check.py", "compare"),
+    ("validate (manifests + safetensors headers)", "tracer/store.py", "validate"),
+    ("index entries by key (manifests)", "tracer/check.py", "_index_by_key"),
+    ("load tensors (TraceReader.load)", "tracer/store.py", "load"),
+    ("assemble candidate shards (_full, incl. its loads)", "tracer/check.py", "_full"),
+    ("canonical.assemble", "tracer/canonical.py", "assemble"),
+    ("check one tensor (_check_one)", "tracer/check.py", "_check_one"),
+    ("noise_threshold (incl. F quantile)", "tracer/thresholds.py", "noise_threshold"),
+    ("F quantile (scipy f.ppf)", "tracer/thresholds.py", "_f_quantile"),
+    ("unmodelled_threshold", "tracer/thresholds.py", "unmodelled_threshold"),
+    ("storage-rounding excess (bf16 params)", "tracer/check.py", "<lambda>"),
+    ("worst ranks (_worst_ranks)", "tracer/check.py", "_worst_ranks"),
+)
+
+
+def profile_compare(ref: Path, cand: Path, steps: list[int]) -> tuple[float, list[tuple[str, float, int]], str]:
+    """cProfile one comparison; returns total seconds, the :data:`PROFILE_PARTS` rows
+    (label, cumulative s, calls) and the top functions by own time (text)."""
+    from tracer.check import compare
+    prof = cProfile.Profile()
+    t = time.perf_counter()
+    prof.enable()
+    compare(ref, cand, steps=steps)
+    prof.disable()
+    total = time.perf_counter() - t
+    st = pstats.Stats(prof)
+    rows = []
+    for label, suffix, fn in PROFILE_PARTS:
+        cum, calls = 0.0, 0
+        for (file, _line, name), (_cc, nc, _tt, ct, _callers) in st.stats.items():  # type: ignore[attr-defined]
+            if name == fn and file.replace(os.sep, "/").endswith(suffix):
+                cum, calls = cum + ct, calls + nc
+        rows.append((label, cum, calls))
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).strip_dirs().sort_stats("tottime").print_stats(15)
+    top = "\n".join(ln for ln in buf.getvalue().splitlines()
+                    if ln.strip() and not ln.lstrip().startswith(("Ordered by", "List reduced")))
+    return total, rows, top
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _table(head: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in rows])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="fewer steps, repetitions, noise samples")
+    ap.add_argument("--write", type=Path, help="write the tables as markdown to this file (e.g. docs/cost.md)")
+    ap.add_argument("--out", type=Path, help="trace directory (default: a temporary one, removed at the end)")
+    ap.add_argument("--keep", action="store_true", help="keep the traces")
+    ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    ap.add_argument("--steps", type=int, help="steps per run, the first one a warm-up (default 4, quick 3)")
+    ap.add_argument("--reps", type=int, help="repetitions of each mode (default 2, quick 1)")
+    ap.add_argument("--noise-samples", type=int, help="S of the reference (default 4, quick 2)")
+    ap.add_argument("--compare-reps", type=int, help="timed comparisons per model (default 1)")
+    ap.add_argument("--compare-steps", type=int, help="steps compared (the first ones; default 2, quick 1)")
+    ap.add_argument("--profile-model", default="demo", choices=sorted(MODELS),
+                    help="model whose comparison is profiled (default demo: the large one takes minutes)")
+    a = ap.parse_args(argv)
+    steps = a.steps or (3 if a.quick else 4)
+    reps = a.reps or (1 if a.quick else 2)
+    S = a.noise_samples if a.noise_samples is not None else (2 if a.quick else 4)
+    creps = a.compare_reps or 1
+    csteps = a.compare_steps or (1 if a.quick else 2)
+    if steps < 2:
+        ap.error("--steps must be >= 2 (the first step is a warm-up)")
+    out = a.out or Path(tempfile.mkdtemp(prefix="ttrace_cost_"))
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    cmd = "python -m bench.tracer_cost" + (" --quick" if a.quick else "") + \
+        "".join(f" {k} {v}" for k, v in (("--steps", a.steps), ("--reps", a.reps),
+                                          ("--noise-samples", a.noise_samples), ("--compare-reps", a.compare_reps),
+                                          ("--compare-steps", a.compare_steps))
+                if v is not None) + (f" --dtype {a.dtype}" if a.dtype != "bf16" else "") + \
+        (f" --profile-model {a.profile_model}" if a.profile_model != "demo" else "") + \
+        (f" --write {a.write}" if a.write else "")
+    load0 = os.getloadavg()
+    t0 = time.perf_counter()
+    print(f"tracer cost: {a.dtype}, global batch {GLOBAL_BATCH} (micro batch 1), {steps} steps per run "
+          f"(first = warm-up), {reps} rep(s) per mode, S={S}; traces in {out}; load average {load0[0]:.2f}")
+    results: dict[int, tuple[list[dict], list[list[dict]]]] = {}
+    for world in (1, 2):
+        jobs = _jobs(world, out, steps=steps, reps=reps, dtype=a.dtype, noise_samples=S)
+        t = time.perf_counter()
+        print(f"  launch world {world} ({layout_name(LAYOUTS[world])}): {len(jobs)} runs", flush=True)
+        results[world] = (jobs, run_gloo(_worker, world, jobs, timeout_s=3600.0))
+        print(f"  world {world} done in {time.perf_counter() - t:.0f} s", flush=True)
+
+    # 1 + 2: overhead and bytes
+    over_rows, bytes_rows = [], []
+    med: dict[tuple[str, int, str], float] = {}
+    for model in MODELS:
+        for world in (1, 2):
+            jobs, per_rank = results[world]
+            for mode in (*MODES, "noise"):
+                med[(model, world, mode)] = _median(_measured(jobs, per_rank, model, mode))
+            base = med[(model, world, "untraced")]
+            lay = f"{layout_name(LAYOUTS[world])} (world {world})"
+            n = len(_measured(jobs, per_rank, model, "untraced"))
+            over_rows.append([model, lay, f"{base * 1e3:.0f}", f"{med[(model, world, 'stats')] * 1e3:.0f}",
+                              f"{med[(model, world, 'full')] * 1e3:.0f}",
+                              f"**{med[(model, world, 'stats')] / base:.2f}x**",
+                              f"**{med[(model, world, 'full')] / base:.2f}x**", str(n)])
+            for mode in ("stats", "full"):
+                per = [trace_bytes(out / f"w{world}" / model / f"{mode}_r0", r)[0] for r in range(world)]
+                bytes_rows.append([model, lay, mode, " / ".join(f"{b / 1e6:.3f}" for b in per)])
+        noise_per_step = _dir_bytes(out / "w1" / model / "noise", noise=True) / steps
+        bytes_rows.append([model, f"{layout_name(LAYOUTS[1])} (world 1)", f"noise samples (S={S}, all)",
+                           f"{noise_per_step / 1e6:.3f}"])
+
+    # 3: compare throughput
+    from tracer.check import compare
+    cmp_rows = []
+    false_pos: list[tuple[str, list]] = []  # the clean candidate must have none; reported as found
+    prof = None
+    for model in MODELS:
+        ref, cand = out / "w1" / model / "noise", out / "w2" / model / "full_r0"
+        rc = _dir_bytes(ref, noise=False, steps=csteps) + _dir_bytes(cand, noise=False, steps=csteps)
+        nb = _dir_bytes(ref, noise=True, steps=csteps)
+        times = []
+        for _ in range(creps):
+            t = time.perf_counter()
+            c = compare(ref, cand, steps=range(csteps))
+            times.append(time.perf_counter() - t)
+        tm = _median(times)
+        over = [r for r in c.rows if r.status not in ("ok", "unchecked")]
+        if over:
+            false_pos.append((model, over))
+        print(f"  compare {model}: {len(c.rows)} tensors, verdict {c.verdict}, {tm:.2f} s "
+              f"({' '.join(f'{x:.2f}' for x in times)})", flush=True)
+        cmp_rows.append([model, str(len(c.rows)), c.verdict, f"{rc / 1e6:.1f}", f"{nb / 1e6:.1f}", f"{tm:.2f}",
+                         f"**{rc / 1e9 / tm:.2g}**", f"{(rc + nb) / 1e9 / tm:.2g}"])
+        if model == a.profile_model:
+            prof = profile_compare(ref, cand, list(range(csteps)))
+
+    # 4: cost of the thresholds
+    noise_rows = []
+    for model in MODELS:
+        clean, noisy, untr = med[(model, 1, "full")], med[(model, 1, "noise")], med[(model, 1, "untraced")]
+        per_sample = (noisy - clean) / S
+        noise_rows.append([model, str(S), f"{clean * 1e3:.0f}", f"{noisy * 1e3:.0f}", f"{per_sample * 1e3:.0f}",
+                           f"**{per_sample / clean:.2f}**", f"{per_sample / untr:.2f}",
+                           f"**{(noisy - clean) / clean:.2f}**"])
+
+    load1 = os.getloadavg()
+    wall = time.perf_counter() - t0
+    profiles = {j["trace"]["mode"]: rec for j, rec in zip(results[1][0], results[1][1][0]) if "profile" in rec}
+
+    def profile_md(mode: str, what: str) -> list[str]:
+        rec = profiles.get(mode)
+        if rec is None:
+            return []
+        return [(f"\n### Where the time goes: {what} (demo, world 1, cProfile of a 2-step run, build included; "
+                f"steps {', '.join(f'{x:.2f}' for x in rec['step_s'])} s under the profiler)\n"),
+                "```\n" + rec["profile"] + "\n```"]
+
+    md = ["# Cost of tracing and comparing\n",
+          (f"Produced by `{cmd}` ({wall:.0f} s; load average {load0[0]:.2f} at the start, {load1[0]:.2f} at "
+          f"the end, {os.cpu_count()} cores shared with other jobs; one thread per gloo rank, compare in the "
+          f"parent with torch's default threads). Models: **demo** ({_model_desc('demo')}) and **large** "
+          f"({_model_desc('large')}), {a.dtype} with fp32 main params, micro batches of 1, Adam. {steps} steps "
+          f"per run, the first dropped as warm-up; {reps} repetition(s) per mode in rotated order, steps pooled "
+          f"(n = measured steps per mode); world 2: the slowest rank per step. Methodology: "
+          f"`bench/tracer_cost.py` docstring.\n"),
+          ("Caveats: wall times on a shared machine move with its load (compare runs of the command); "
+          "the harness's process-wide cuda->cpu `TorchFunctionMode` (`examples/megatron_cpu/shim.py`) "
+          "slows every op of the training step, traced or not, while the tracer's copies and statistics "
+          "run with torch functions disabled, so the ratios may understate the tracer's relative cost.\n"),
+          "## Traced step over untraced step (goals: stats <= 1.2x, full <= 2x)\n",
+          _table(["model", "layout", "untraced ms", "stats ms", "full ms", "stats / untraced",
+                  "full / untraced", "n"], over_rows),
+          "\n## Trace bytes per step and rank (MB; world 2: rank 0 / rank 1)\n",
+          _table(["model", "layout", "mode", "MB per step per rank"], bytes_rows)]
+    md += profile_md("stats", "stats-only tracing")
+    md += [(f"\n## Compare throughput (goal >= 1 GB/s)\n\n`tracer.check.compare(reference, candidate)`: the "
+           f"world-1 reference (full, with its S={S} noise samples) against the tp2+sp candidate (full), "
+           f"the first {csteps} step(s) (compare's `steps=`), median of {creps} run(s). GB/s = (reference + "
+           "candidate bytes, noise samples "
+           "excluded) / seconds; the last column counts the noise samples too (they are read as well).\n"),
+           _table(["model", "tensors", "verdict", "ref+cand MB", "noise MB", "compare s", "GB/s (ref+cand)",
+                   "GB/s (all read)"], cmp_rows)]
+    md += [f"\n**False positive** ({model} model, clean candidate {layout_name(LAYOUTS[2])}, {a.dtype}, seed "
+           f"{SEED}, S={S}): {len(over)} tensor(s) over threshold; the first: step {r.step}, {r.phase} "
+           f"{r.name} (mb {r.microbatch}), ratio {r.ratio:.3g}" + "".join(
+               f"; then step {o.step} {o.phase} {o.name} (mb {o.microbatch}) {o.ratio:.3g}" for o in over[1:6])
+           for model, over in false_pos for r in over[:1]]
+    if prof is not None:
+        total, parts, top = prof
+        md += [(f"\n### Where compare's time goes ({a.profile_model} model, cProfile, {total:.2f} s under the "
+                "profiler)\n\n"
+               "Cumulative times; the rows nest (`_check_one` contains `noise_threshold`, which contains "
+               "the F quantile; `_full` contains its loads).\n"),
+               _table(["part", "cumulative s", "share", "calls"],
+                      [[lbl, f"{c:.2f}", f"{c / total:.0%}", str(n)] for lbl, c, n in parts]),
+               "\nTop functions by own time:\n\n```\n" + top + "\n```"]
+    md += [("\n## Cost of the thresholds (goal: <= one extra reference step in total)\n\n"
+           f"Reference (world 1, full trace) with S={S} noise samples vs without, per step. A noise "
+           "sample re-runs the step under the noise injector (every modelled op perturbed by its "
+           "local bound) from a snapshot of model and optimizer state.\n"),
+           _table(["model", "S", "clean traced step ms", "step with S samples ms", "per noise sample ms",
+                   "per sample / clean traced step", "per sample / untraced step",
+                   "all S samples / clean traced step (extra reference steps)"], noise_rows)]
+    md += profile_md("full", "full tracing plus 1 noise sample per step")
+    text = "\n".join(md) + "\n"
+    print("\n" + text)
+    if a.write:
+        a.write.parent.mkdir(parents=True, exist_ok=True)
+        a.write.write_text(text)
+        print(f"wrote {a.write}")
+    if not a.keep and a.out is None:
+        shutil.rmtree(out, ignore_errors=True)
+    elif not a.keep:
+        print(f"traces left in {out} (--out given)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
