@@ -51,6 +51,7 @@ QUANTILES = (0.0, 0.01, 0.25, 0.5, 0.75, 0.99, 1.0)
 MAX_STAT_SAMPLES = 1 << 16
 STATS_CHUNK = 1 << 22
 RUN_FILE = "run.json"
+MAX_OPEN_FILES = 64  # safetensors handles a TraceReader keeps open
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
 _RANK_RE = re.compile(r"^rank_(\d{5,})\.json$")
 _ENTRY_FIELDS = ("key", "name", "phase", "step", "microbatch", "index", "dtype", "shape",
@@ -395,6 +396,8 @@ class TraceReader:
             raise ManifestMismatchError(f"schema version {self.run['schema_version']} is not the "
                                         f"supported {SCHEMA_VERSION}", path=path)
         self._manifests: dict[tuple[int, int], dict[str, Any]] = {}
+        self._entry_index: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
+        self._handles: dict[tuple[int, int], tuple[Any, set[str]]] = {}
 
     @property
     def world_size(self) -> int:
@@ -493,11 +496,28 @@ class TraceReader:
 
     def entry(self, step: int, rank: int, key: str) -> dict[str, Any]:
         """The manifest entry of ``key``."""
-        for e in self.manifest(step, rank)["entries"]:
-            if e["key"] == key:
-                return e
-        raise ManifestMismatchError("no such key in the manifest", path=manifest_path(self.root, step, rank),
-                                    rank=rank, step=step, tensor=key)
+        if (step, rank) not in self._entry_index:
+            self._entry_index[(step, rank)] = {e["key"]: e for e in self.manifest(step, rank)["entries"]}
+        e = self._entry_index[(step, rank)].get(key)
+        if e is None:
+            raise ManifestMismatchError("no such key in the manifest", path=manifest_path(self.root, step, rank),
+                                        rank=rank, step=step, tensor=key)
+        return e
+
+    def _open(self, step: int, rank: int, key: str) -> tuple[Any, set[str]]:
+        """An open safetensors handle of a rank's step file and its keys, kept for the next
+        loads (the file is checked once, the header parsed once; a few handles are kept)."""
+        if (step, rank) not in self._handles:
+            path = self._tensor_file(step, rank, key)
+            try:
+                f = safe_open(path, framework="pt")
+                handle = (f, set(f.keys()))
+            except (SafetensorError, OSError) as exc:
+                raise self._corrupt(path, rank, step, key, exc) from exc
+            if len(self._handles) >= MAX_OPEN_FILES:
+                self._handles.pop(next(iter(self._handles)))
+            self._handles[(step, rank)] = handle
+        return self._handles[(step, rank)]
 
     def _tensor_file(self, step: int, rank: int, tensor: str | None) -> Path:
         m = self.manifest(step, rank)
@@ -527,13 +547,13 @@ class TraceReader:
     def load(self, step: int, rank: int, key: str) -> torch.Tensor:
         """Load one tensor (lazily: only that tensor is read), checked against its entry."""
         entry = self.entry(step, rank, key)
-        path = self._tensor_file(step, rank, key)
+        f, keys = self._open(step, rank, key)
+        path = tensor_path(self.root, step, rank)
+        if key not in keys:
+            raise ManifestMismatchError("the manifest lists this tensor but the file lacks it",
+                                        path=path, rank=rank, step=step, tensor=key)
         try:
-            with safe_open(path, framework="pt") as f:
-                if key not in f.keys():
-                    raise ManifestMismatchError("the manifest lists this tensor but the file lacks it",
-                                                path=path, rank=rank, step=step, tensor=key)
-                t = f.get_tensor(key)
+            t = f.get_tensor(key)
         except (SafetensorError, OSError) as exc:
             raise self._corrupt(path, rank, step, key, exc) from exc
         if _dtype_name(t.dtype) != entry["dtype"] or list(t.shape) != entry["shape"]:
