@@ -128,8 +128,7 @@ def reference_worker(rank: int, world: int, jobs: list[dict]) -> list[float]:
                           injector_kwargs=noise_kwargs(job["dtype"]))
         for step in range(job["steps"]):
             mbs = global_batch(step, DTYPES[job["dtype"]])
-            ns.sample_step(step, partial(train_step, model, opt, mbs, tr, step))
-            train_step(model, opt, mbs, tr, step)
+            ns.step(step, partial(train_step, model, opt, mbs, tr, step))
         tr.remove()
         times.append(time.perf_counter() - t0)
     return times

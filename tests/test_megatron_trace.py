@@ -275,3 +275,17 @@ def test_report_files(traces, tmp_path):
     png = plot(c, tmp_path / "r.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert math.isfinite(c.max_ratio_ok) and c.max_ratio_ok < 1
+
+
+def test_cli_compare_exit_status(traces, tmp_path, capsys):
+    from tracer.cli import main
+    assert main(["compare", str(traces / "ref_bf16_0"), str(traces / "tp2.pp2.sp_bf16_0"),
+                 "--report", str(tmp_path / "clean"), "--no-plot"]) == 0
+    assert "verdict: consistent" in capsys.readouterr().out
+    assert main(["compare", str(traces / "ref_bf16_0"), str(traces / "bug_sp_norm_grad_not_reduced"),
+                 "--report", str(tmp_path / "bug")]) == 1
+    out = capsys.readouterr().out
+    assert "first divergence: step 0, phase grad_local" in out
+    assert (tmp_path / "bug.json").is_file() and (tmp_path / "bug.png").is_file()
+    assert main(["compare", str(traces / "ref_bf16_0"), str(tmp_path / "nowhere")]) == 2
+    assert "no run.json" in capsys.readouterr().err

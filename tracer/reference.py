@@ -1,11 +1,10 @@
 """The reference side of a comparison: noisy trajectories that give the thresholds.
 
 A reference run traced with :class:`NoiseSampler` runs every training step ``S + 1`` times
-from the same batch: ``S`` times under :class:`ttrace_num.propagate.noise.NoiseInjector`
-(every modelled op perturbed by its probabilistic local bound for the difference between the
-reference's and the candidate's computation models), each traced into
-``root/noise/sample_<i>``, then once clean (traced by the caller's own writer), which
-advances the run. Each sample is its own trajectory: it continues from its own model and
+from the same batch: once clean (traced by the caller's own writer), which advances the run,
+then ``S`` times under :class:`ttrace_num.propagate.noise.NoiseInjector` (every modelled op
+perturbed by its probabilistic local bound for the difference between the reference's and
+the candidate's computation models), each traced into ``root/noise/sample_<i>``. Each sample is its own trajectory: it continues from its own model and
 optimizer state of the previous step, so its deviations include those propagated from
 earlier steps, as a candidate's do. :mod:`tracer.thresholds` turns the samples into
 per-tensor thresholds; :func:`tracer.check.compare` finds them under ``root/noise``.
@@ -83,14 +82,21 @@ class NoiseSampler:
                                     run_id=f"noise{i}") for i in range(samples)]
         self.states: list[StateSnapshot] = []
 
-    def sample_step(self, step: int, traced_step: Callable[[TraceWriter], Any]) -> None:
-        """Run the noise samples of ``step``; ``traced_step(writer)`` must run one whole training
-        step (forward, backward, optimizer step) traced into ``writer``. Leaves the model and
-        optimizer in the state they had before, ready for the clean step."""
+    def step(self, step: int, traced_step: Callable[[TraceWriter | None], Any]) -> Any:
+        """Run training step ``step`` clean, then its noise samples; returns what the clean
+        ``traced_step(None)`` returned. ``traced_step(writer)`` must run one whole training step
+        (forward, backward, optimizer step), traced into ``writer`` (None: the run's own).
+
+        The clean step runs first so that whatever the model caches on first use (megatron
+        caches its rotary table with ``lru_cache``) is computed without noise; the samples
+        then start from the state before the clean step and the run continues from the
+        state after it."""
         from ttrace_num.propagate.noise import NoiseInjector, perturb_custom_backward
-        clean = StateSnapshot(self.model, self.optimizer)
+        before = StateSnapshot(self.model, self.optimizer)
+        out = traced_step(None)
+        after = StateSnapshot(self.model, self.optimizer)
         if not self.states:
-            self.states = [clean] * len(self.writers)
+            self.states = [before] * len(self.writers)
         for i, w in enumerate(self.writers):
             self.states[i].restore()
             gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 101 + i)
@@ -98,4 +104,5 @@ class NoiseSampler:
             with inj, perturb_custom_backward(inj, *self.custom_functions):
                 traced_step(w)
             self.states[i] = StateSnapshot(self.model, self.optimizer)
-        clean.restore()
+        after.restore()
+        return out

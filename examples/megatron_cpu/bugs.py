@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Bug", "BUGS", "bug", "inject"]
+__all__ = ["BUGS", "Bug", "bug", "inject"]
 
 
 @dataclass(frozen=True)
@@ -104,7 +104,9 @@ def _grad_norm(model, config, optimizer):
      doc="the vocab-parallel cross entropy divides by this rank's partition of sum(exp(logits)) instead "
          "of the all-reduced sum over the whole vocabulary")
 def _vocab_ce(model, config, optimizer):
-    from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy as V
+    from megatron.core.tensor_parallel.cross_entropy import (
+        VocabParallelCrossEntropy as V,
+    )
     orig = V.__dict__["calculate_cross_entropy_loss"]
 
     def local(exp_logits, predicted_logits, sum_exp_logits):
@@ -135,3 +137,139 @@ def _lost_grad(model, config, optimizer):
     def undo():
         config.finalize_model_grads_func = orig
     return undo
+
+
+def _ddp_buffers(model: Any) -> list:
+    """The DDP wrapper's grad buffers (dense and expert-parallel)."""
+    bufs = list(getattr(model, "buffers", [])) + list(getattr(model, "expert_parallel_buffers", []))
+    if not bufs:
+        raise ValueError("bug needs the DistributedDataParallel-wrapped model (no grad buffers found)")
+    return bufs
+
+
+@bug("dp_grad_scale_skipped", catalogue="B06", bug_class="wrong scale factor", needs={"dp": 2},
+     expected_phase="grad", expected_name="*",
+     doc="the 1/dp pre-scaling of the data-parallel gradient reduction is skipped (B06 scaled by dp "
+         "instead of dp*cp): every bucket's `gradient_scaling_factor` is 1, so the reduced grads are the "
+         "sum over DP ranks instead of the mean. Each rank's contribution is right (grad_local agrees); "
+         "the first reduced grad in execution order is dp times too large")
+def _dp_scale(model, config, optimizer):
+    buckets = [b for buf in _ddp_buffers(model) for b in buf.buckets]
+    saved = [b.gradient_scaling_factor for b in buckets]
+    for b in buckets:
+        b.gradient_scaling_factor = 1.0
+
+    def undo():
+        for b, s in zip(buckets, saved):
+            b.gradient_scaling_factor = s
+    return undo
+
+
+@bug("tied_embedding_grad_not_allreduced", catalogue="B07/B08", bug_class="collectives in the wrong order",
+     needs={"pp": 2}, expected_phase="grad", expected_name="embedding.word_embeddings.weight",
+     doc="the all-reduce of the tied word-embedding / output-layer grads across the first and last PP "
+         "stages never happens (B08: it ran on a zero buffer; B07: on mismatched shards), so each stage "
+         "updates its copy with its own half of the gradient and the tied copies drift apart")
+def _tied_embedding(model, config, optimizer):
+    import importlib
+    fmg = importlib.import_module("megatron.core.distributed.finalize_model_grads")  # the module, not the function
+    orig = fmg._allreduce_word_embedding_grads
+    fmg._allreduce_word_embedding_grads = lambda *a, **k: None
+
+    def undo():
+        fmg._allreduce_word_embedding_grads = orig
+    return undo
+
+
+@bug("tp_activation_grad_not_reduced", catalogue="B16", bug_class="missing reduction of an activation gradient",
+     needs={"tp": 2, "sp": False}, expected_phase="bwd", expected_name="decoder.layers.1.pre_mlp_layernorm*",
+     doc="the column-parallel fc1 of layer 1 consumes a TP-replicated input but its input gradient is "
+         "not all-reduced over TP (bigcode MQA: the replicated KV projection's dgrad was never reduced); "
+         "each TP rank back-propagates only its own partial sum into the pre-MLP norm, whose replicated "
+         "output gradient then differs across TP ranks and from the reference")
+def _tp_act_grad(model, config, optimizer):
+    mods = [m for n, m in model.named_modules() if n.endswith("decoder.layers.1.mlp.linear_fc1")]
+    if not mods:
+        raise ValueError("no decoder.layers.1.mlp.linear_fc1 on this rank")
+    saved = [(m.allreduce_dgrad, m.disable_grad_reduce) for m in mods]
+    for m in mods:
+        m.allreduce_dgrad, m.disable_grad_reduce = False, True  # no dgrad all-reduce, no copy_to_tp region
+
+    def undo():
+        for m, (a, d) in zip(mods, saved):
+            m.allreduce_dgrad, m.disable_grad_reduce = a, d
+    return undo
+
+
+@bug("sp_dgrad_reduce_scatter_skipped", catalogue="B16/B10", bug_class="missing reduction of an activation gradient",
+     needs={"tp": 2, "sp": True}, expected_phase="bwd", expected_name="decoder.final_layernorm.output_grad",
+     doc="under SP the column-parallel linears all-gather their sequence-sharded input; the backward "
+         "reduce-scatter of the input gradient is replaced by taking this rank's chunk of its own partial "
+         "gradient (no sum over TP). The output layer is column-parallel too (vocab-parallel logits), so "
+         "the first wrong tensor in backward order is the gradient into its input, the final norm's "
+         "output (sequence-sharded: no replica to drift)")
+def _sp_dgrad(model, config, optimizer):
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import layers
+    orig = layers.dist_reduce_scatter_func
+
+    class _Done:
+        def wait(self) -> None:
+            return None
+
+    def chunk_only(output, input, group=None, async_op=False):
+        output.copy_(input.chunk(dist.get_world_size(group), dim=0)[dist.get_rank(group)])
+        return _Done() if async_op else None
+    layers.dist_reduce_scatter_func = chunk_only
+
+    def undo():
+        layers.dist_reduce_scatter_func = orig
+    return undo
+
+
+@bug("loss_not_normalised_by_microbatches", catalogue="B21", bug_class="wrong scale factor", needs={"pp": 2},
+     expected_phase="bwd", expected_name="output_layer*",
+     doc="the pipeline schedule back-propagates the sum of the microbatch losses instead of their mean "
+         "(torchtitan #2972: PP divided only for logging): `forward_step_calc_loss` is called with "
+         "num_microbatches=1. The traced loss (the loss function's value) agrees; the first gradient, "
+         "the output layer's output grad, is num_microbatches times too large")
+def _loss_norm(model, config, optimizer):
+    import inspect
+
+    from megatron.core.pipeline_parallel import schedules
+    orig = schedules.forward_step_calc_loss
+    sig = inspect.signature(orig)
+
+    def summed(*a, **k):
+        bound = sig.bind(*a, **k)
+        bound.arguments["num_microbatches"] = 1
+        return orig(*bound.args, **bound.kwargs)
+    schedules.forward_step_calc_loss = summed
+
+    def undo():
+        schedules.forward_step_calc_loss = orig
+    return undo
+
+
+@bug("grad_norm_wrong_group", catalogue="B31/B09", bug_class="collective on the wrong group",
+     needs={"tp": 2, "pp": 2}, expected_phase="grad_norm", expected_name="grad_norm",
+     doc="the grad norm's sum of squares is all-reduced over the tensor-parallel group instead of the "
+         "model-parallel group (TP x PP): each pipeline stage computes the norm of its own layers only, "
+         "the stages disagree on the norm (a replicated scalar) and clip with the wrong coefficient")
+def _norm_group(model, config, optimizer):
+    from megatron.core import parallel_state as ps
+    opts = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    saved = [o.__dict__.get("grad_stats_parallel_group", _MISSING) for o in opts]
+    for o in opts:
+        o.grad_stats_parallel_group = ps.get_tensor_model_parallel_group()
+
+    def undo():
+        for o, s in zip(opts, saved):
+            if s is _MISSING:
+                o.__dict__.pop("grad_stats_parallel_group", None)
+            else:
+                o.grad_stats_parallel_group = s
+    return undo
+
+
+_MISSING = object()

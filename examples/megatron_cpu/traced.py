@@ -60,9 +60,7 @@ class TracedRun:
                 self.mt.after_optimizer_step(gnorm)
             return gnorm
 
-        if self.sampler is not None:
-            self.sampler.sample_step(step, traced_step)
-        gnorm = traced_step()
+        gnorm = traced_step() if self.sampler is None else self.sampler.step(step, traced_step)
         f = self.root / f"step_{step:06d}" / f"rank_{dist.get_rank():05d}.safetensors"
         self.bytes += f.stat().st_size if f.exists() else 0
         return gnorm
