@@ -126,7 +126,9 @@ def test_stats_only_candidate(traces):
     assert clean.first is None and clean.counts().get("ok", 0) > 300
     bad = compare(traces / "ref_bf16_0", traces / "stats_bug")
     assert bad.first is not None and bad.first.step == 0
-    assert bad.first.name == "decoder.layers.0.input_layernorm.weight" and "stats-only" in bad.first.note
+    # the norm lower bound may miss the weight's difference and catch the bias of the same norm
+    assert bad.first.phase == "grad_local" and "stats-only" in bad.first.note
+    assert bad.first.name.startswith("decoder.layers.0.input_layernorm."), bad.first
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -255,6 +255,7 @@ def build_and_train(layout: dict, steps: int = 3, seed: int = 1234, dtype: str =
             fb(forward_step_func=step_fn, data_iterator=it, model=[model],
                num_microbatches=num_mb, seq_length=seq, micro_batch_size=micro_batch,
                forward_only=False)
+            return list(mb_losses)  # this run's microbatch losses (noise samples run the step too)
 
         traced = None
         if trace is not None:
@@ -271,12 +272,12 @@ def build_and_train(layout: dict, steps: int = 3, seed: int = 1234, dtype: str =
                 break
             ts = time.perf_counter()
             if traced is None:
-                forward_backward()
+                step_losses = forward_backward()
                 _ok, gnorm, _ = optimizer.step()
             else:
-                gnorm = traced.step(step, forward_backward, forward_step)
+                gnorm, step_losses = traced.step(step, forward_backward, forward_step)
             step_s.append(time.perf_counter() - ts)
-            loss = torch.stack(mb_losses).mean() if (last and mb_losses) else torch.zeros(())
+            loss = torch.stack(step_losses).mean() if (last and step_losses) else torch.zeros(())
             loss = loss.float()
             dist.all_reduce(loss, group=ps.get_pipeline_model_parallel_group())
             dist.all_reduce(loss, group=ps.get_data_parallel_group())

@@ -47,23 +47,23 @@ class TracedRun:
                                         **reference_noise(int(trace.get("noise_tp", 2)), dtype))
         self.bytes = 0
 
-    def step(self, step: int, forward_backward: Callable, forward_step: Callable) -> float:
+    def step(self, step: int, forward_backward: Callable, forward_step: Callable) -> tuple[float, list]:
         """Run (and trace) one step: ``forward_backward(step_fn)`` runs megatron's schedule
-        with ``step_fn`` as ``forward_step_func``; then the optimizer steps. Returns the
-        optimizer's grad norm."""
+        with ``step_fn`` as ``forward_step_func`` and returns its microbatch losses; then the
+        optimizer steps. Returns the grad norm and the clean run's microbatch losses."""
         fwd = self.mt.wrap_forward_step(forward_step)
 
         def traced_step(writer: TraceWriter | None = None):
             with self.mt.step(step, writer=writer):
-                forward_backward(fwd)
+                losses = forward_backward(fwd)
                 _ok, gnorm, _ = self.optimizer.step()
                 self.mt.after_optimizer_step(gnorm)
-            return gnorm
+            return gnorm, losses
 
-        gnorm = traced_step() if self.sampler is None else self.sampler.step(step, traced_step)
+        gnorm, losses = traced_step() if self.sampler is None else self.sampler.step(step, traced_step)
         f = self.root / f"step_{step:06d}" / f"rank_{dist.get_rank():05d}.safetensors"
         self.bytes += f.stat().st_size if f.exists() else 0
-        return gnorm
+        return gnorm, losses
 
     def summary(self) -> dict:
         return {"root": str(self.root), "bytes": self.bytes,
