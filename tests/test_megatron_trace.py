@@ -97,9 +97,9 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
     cands += _jobs(root, LAYOUTS[BUG_LAYOUT], "stats_bug", "bf16", 0, trace={"mode": "stats"},
                    bug="sp_norm_grad_not_reduced")
     t = time.perf_counter()
-    ref_out = run_gloo(_worker, 1, refs)
+    ref_out = run_gloo(_worker, 1, refs, timeout_s=1200)
     t1 = time.perf_counter()
-    cand_out = run_gloo(_worker, 4, cands)
+    cand_out = run_gloo(_worker, 4, cands, timeout_s=1200)  # 18 runs; shares 2 cores with other tests
     print(f"\ntraced references in {t1 - t:.0f} s, candidates in {time.perf_counter() - t1:.0f} s")
     results = {name: [r[name] for r in out] for out in (ref_out, cand_out) for name in out[0]}
     return root, results
