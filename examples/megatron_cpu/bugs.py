@@ -56,6 +56,14 @@ def inject(name: str, *, model: Any, config: Any, optimizer: Any) -> Callable[[]
     return BUGS[name].patch(model, config, optimizer)
 
 
+def _replace(owner: Any, name: str, new: Any) -> Callable[[], None]:
+    """Set ``owner.name = new``; returns the undo that restores the attribute exactly as it was
+    (the raw class-dict entry, so a staticmethod stays one)."""
+    old = vars(owner)[name] if name in vars(owner) else getattr(owner, name)
+    setattr(owner, name, new)
+    return lambda: setattr(owner, name, old)
+
+
 def _params(model: Any, pattern: str) -> list:
     found = [p for n, p in model.named_parameters() if pattern in n]
     if not found:
@@ -92,11 +100,7 @@ def _grad_norm(model, config, optimizer):
         if getattr(param, "tensor_model_parallel", False) and getattr(param, "partition_dim", None) == 0:
             return ps.get_tensor_model_parallel_rank() == 0
         return orig(param, tp_group)
-    tensor_parallel.param_is_not_tensor_parallel_duplicate = filtered
-
-    def undo():
-        tensor_parallel.param_is_not_tensor_parallel_duplicate = orig
-    return undo
+    return _replace(tensor_parallel, "param_is_not_tensor_parallel_duplicate", filtered)
 
 
 @bug("vocab_ce_local_denominator", catalogue="B13", bug_class="partition-local statistic used as global",
@@ -107,15 +111,11 @@ def _vocab_ce(model, config, optimizer):
     from megatron.core.tensor_parallel.cross_entropy import (
         VocabParallelCrossEntropy as V,
     )
-    orig = V.__dict__["calculate_cross_entropy_loss"]
+    orig = V.calculate_cross_entropy_loss
 
     def local(exp_logits, predicted_logits, sum_exp_logits):
-        return orig.__func__(exp_logits, predicted_logits, exp_logits.sum(dim=-1))
-    V.calculate_cross_entropy_loss = staticmethod(local)
-
-    def undo():
-        V.calculate_cross_entropy_loss = orig
-    return undo
+        return orig(exp_logits, predicted_logits, exp_logits.sum(dim=-1))
+    return _replace(V, "calculate_cross_entropy_loss", staticmethod(local))
 
 
 @bug("lost_grad_contribution", catalogue="B27", bug_class="lost gradient contribution",
@@ -132,11 +132,7 @@ def _lost_grad(model, config, optimizer):
             for p in victims:
                 p.main_grad.zero_()
         return orig(*a, **k)
-    config.finalize_model_grads_func = finalize
-
-    def undo():
-        config.finalize_model_grads_func = orig
-    return undo
+    return _replace(config, "finalize_model_grads_func", finalize)
 
 
 def _ddp_buffers(model: Any) -> list:
@@ -173,12 +169,7 @@ def _dp_scale(model, config, optimizer):
 def _tied_embedding(model, config, optimizer):
     import importlib
     fmg = importlib.import_module("megatron.core.distributed.finalize_model_grads")  # the module, not the function
-    orig = fmg._allreduce_word_embedding_grads
-    fmg._allreduce_word_embedding_grads = lambda *a, **k: None
-
-    def undo():
-        fmg._allreduce_word_embedding_grads = orig
-    return undo
+    return _replace(fmg, "_allreduce_word_embedding_grads", lambda *a, **k: None)
 
 
 @bug("tp_activation_grad_not_reduced", catalogue="B16", bug_class="missing reduction of an activation gradient",
@@ -211,8 +202,6 @@ def _tp_act_grad(model, config, optimizer):
 def _sp_dgrad(model, config, optimizer):
     import torch.distributed as dist
     from megatron.core.tensor_parallel import layers
-    orig = layers.dist_reduce_scatter_func
-
     class _Done:
         def wait(self) -> None:
             return None
@@ -220,11 +209,7 @@ def _sp_dgrad(model, config, optimizer):
     def chunk_only(output, input, group=None, async_op=False):
         output.copy_(input.chunk(dist.get_world_size(group), dim=0)[dist.get_rank(group)])
         return _Done() if async_op else None
-    layers.dist_reduce_scatter_func = chunk_only
-
-    def undo():
-        layers.dist_reduce_scatter_func = orig
-    return undo
+    return _replace(layers, "dist_reduce_scatter_func", chunk_only)
 
 
 @bug("loss_not_normalised_by_microbatches", catalogue="B21", bug_class="wrong scale factor", needs={"pp": 2},
@@ -244,11 +229,7 @@ def _loss_norm(model, config, optimizer):
         bound = sig.bind(*a, **k)
         bound.arguments["num_microbatches"] = 1
         return orig(*bound.args, **bound.kwargs)
-    schedules.forward_step_calc_loss = summed
-
-    def undo():
-        schedules.forward_step_calc_loss = orig
-    return undo
+    return _replace(schedules, "forward_step_calc_loss", summed)
 
 
 @bug("grad_norm_wrong_group", catalogue="B31/B09", bug_class="collective on the wrong group",
