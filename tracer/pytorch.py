@@ -29,7 +29,7 @@ process group), so one training-loop function serves both runs.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -64,12 +64,21 @@ class DDPTracer:
         include, exclude: ``fnmatch`` patterns on local module names (as ``Tracer``); they
             select the traced parameters too.
         capture: subset of ``fwd_in fwd_out bwd_out bwd_in grad param``.
+        placement_fn, param_placement, loss_placement, grad_scale: for models sharded beyond
+            data parallelism (e.g. the tensor/context-parallel harness of
+            ``examples/torch_parallel``): the placement of module records (as
+            :class:`~tracer.hooks.Tracer`), of a parameter and its gradient by local name
+            (default: replicated over DP), of the per-microbatch loss (default: none, one
+            rank holds it), and the activation-gradient scale (default ``1/dp``).
     """
 
     def __init__(self, model: nn.Module, writer: TraceWriter, *, num_microbatches: int = 1,
                  dp_rank: int | None = None, dp: int | None = None, include: Sequence[str] = ("*",),
                  exclude: Sequence[str] = (),
-                 capture: Sequence[str] = ("fwd_in", "fwd_out", "bwd_out", "grad", "param")) -> None:
+                 capture: Sequence[str] = ("fwd_in", "fwd_out", "bwd_out", "grad", "param"),
+                 placement_fn: Callable[[str, str, torch.Tensor], dict[str, Any]] | None = None,
+                 param_placement: Callable[[str], dict[str, Any]] | None = None,
+                 loss_placement: dict[str, Any] | None = None, grad_scale: float | None = None) -> None:
         import torch.distributed as dist
         dist_on = dist.is_available() and dist.is_initialized()
         self.dp = int(dp if dp is not None else (dist.get_world_size() if dist_on else 1))
@@ -79,9 +88,12 @@ class DDPTracer:
         self.num_microbatches = int(num_microbatches)
         self.capture = set(capture)
         self.tracer = Tracer(self.module, writer, include=include, exclude=exclude,
-                             capture=[c for c in capture if c in _MODULE_CAPTURES], grad_scale=1.0 / self.dp)
+                             capture=[c for c in capture if c in _MODULE_CAPTURES], placement_fn=placement_fn,
+                             grad_scale=1.0 / self.dp if grad_scale is None else grad_scale)
         self.params = {local: p for local, (_canon, p) in self.tracer.params.items()}
-        self.placement = ddp_placement(self.dp_rank, self.dp)
+        placement = ddp_placement(self.dp_rank, self.dp)
+        self.param_placement = param_placement or (lambda local: placement)
+        self.loss_placement = loss_placement
 
     @contextlib.contextmanager
     def step(self, step: int, writer: TraceWriter | None = None) -> Iterator[DDPTracer]:
@@ -101,14 +113,15 @@ class DDPTracer:
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """Record this microbatch's loss (phase ``loss``; call before scaling it)."""
-        self.tracer.record("loss", loss.detach(), "loss")
+        self.tracer.record("loss", loss.detach(), "loss", placement=self.loss_placement)
 
     def _record_params(self, phase: str, grads: bool) -> None:
         self.tracer.set_microbatch(0)  # per-step tensors, not of a microbatch
         for local, p in self.params.items():
             t = p.grad if grads else p
             if t is not None:
-                self.tracer.record(local, t.detach(), phase, placement=self.placement, meta={"param": local})
+                self.tracer.record(local, t.detach(), phase, placement=self.param_placement(local),
+                                   meta={"param": local})
 
     def after_backward(self) -> None:
         """Record the reduced gradients (phase ``grad``); call after the last microbatch's

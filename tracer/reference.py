@@ -9,7 +9,7 @@ optimizer state of the previous step, so its deviations include those propagated
 earlier steps, as a candidate's do. :mod:`tracer.thresholds` turns the samples into
 per-tensor thresholds; :func:`tracer.check.compare` finds them under ``root/noise``.
 
-The state of a step (model parameters, the optimizer's parameters -- the fp32 main
+The state of a step (model parameters and buffers, the optimizer's parameters -- the fp32 main
 parameters of a mixed-precision optimizer -- and its state, e.g. Adam's moments) is
 snapshotted and restored bit for bit around the samples. Cost: ``S`` extra steps per step,
 plus ``S + 1`` copies of the model and optimizer state in memory.
@@ -30,15 +30,23 @@ __all__ = ["NoiseSampler", "StateSnapshot"]
 class StateSnapshot:
     """Copies of every tensor a training step changes; :meth:`restore` puts them back bitwise.
 
+    The model's parameters and registered buffers (e.g. running statistics), the extra
+    state of modules that define ``get_extra_state``/``set_extra_state`` (e.g. FP8 amax
+    histories and scales; ``set_extra_state`` must copy what it is given), the optimizer's
+    parameters and its state.
+
     ``optimizer`` is a ``torch.optim.Optimizer`` or a wrapper holding one as ``.optimizer``
     (megatron-core's optimizers).
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: Any) -> None:
         self.inner = getattr(optimizer, "optimizer", optimizer)
-        self.tensors = list(model.parameters()) + [p for g in self.inner.param_groups for p in g["params"]]
+        self.tensors = (list(model.parameters()) + list(model.buffers())
+                        + [p for g in self.inner.param_groups for p in g["params"]])
         self.saved = [t.detach().clone() for t in self.tensors]
         self.state = {p: _clone_state(st) for p, st in self.inner.state.items()}
+        self.extra = {m: m.get_extra_state() for m in model.modules()
+                      if type(m).get_extra_state is not torch.nn.Module.get_extra_state}
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -47,6 +55,8 @@ class StateSnapshot:
         self.inner.state.clear()
         for p, st in self.state.items():
             self.inner.state[p] = _clone_state(st)
+        for m, st in self.extra.items():
+            m.set_extra_state(st)
 
 
 def _clone_state(st: dict) -> dict:

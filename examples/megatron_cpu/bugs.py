@@ -19,49 +19,20 @@ optimizer are built.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
+
+from examples.bug_registry import Bug, Registry
+from examples.bug_registry import replace as _replace
 
 __all__ = ["BUGS", "Bug", "bug", "inject"]
 
-
-@dataclass(frozen=True)
-class Bug:
-    name: str
-    catalogue: str
-    bug_class: str
-    doc: str
-    needs: dict[str, Any]
-    expected_phase: str
-    expected_name: str
-    patch: Callable[..., Callable[[], None]] = field(repr=False)
-
-
-BUGS: dict[str, Bug] = {}
-
-
-def bug(name: str, *, catalogue: str, bug_class: str, doc: str, needs: dict[str, Any], expected_phase: str,
-        expected_name: str) -> Callable:
-    """Register the decorated ``inject(model, config, optimizer) -> undo`` as bug ``name``."""
-    def deco(fn: Callable) -> Callable:
-        BUGS[name] = Bug(name, catalogue, bug_class, doc, needs, expected_phase, expected_name, fn)
-        return fn
-    return deco
+BUGS = Registry()
+bug = BUGS.bug
 
 
 def inject(name: str, *, model: Any, config: Any, optimizer: Any) -> Callable[[], None]:
     """Apply bug ``name`` to this rank's run; returns the function that undoes it."""
-    if name not in BUGS:
-        raise ValueError(f"unknown bug {name!r}; known: {sorted(BUGS)}")
-    return BUGS[name].patch(model, config, optimizer)
-
-
-def _replace(owner: Any, name: str, new: Any) -> Callable[[], None]:
-    """Set ``owner.name = new``; returns the undo that restores the attribute exactly as it was
-    (the raw class-dict entry, so a staticmethod stays one)."""
-    old = vars(owner)[name] if name in vars(owner) else getattr(owner, name)
-    setattr(owner, name, new)
-    return lambda: setattr(owner, name, old)
+    return BUGS.inject(name, model, config, optimizer)
 
 
 def _params(model: Any, pattern: str) -> list:

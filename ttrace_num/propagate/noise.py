@@ -206,7 +206,9 @@ class NoiseInjector(TorchFunctionMode):
         noisy = (out.detach().double() + self._noise(b, out.shape)).to(out.dtype)
         self.perturbed += 1
         if out.requires_grad:
-            out = out + (noisy - out).detach()
+            # infinite entries (a -inf attention mask through a cast) stay as they are: inf - inf is NaN
+            delta = torch.where(torch.isfinite(out), noisy.detach() - out.detach(), 0.0).to(out.dtype)
+            out = out + delta
             if self.backward:
                 out = _CaptureGrad.apply(out, slot)
             return out
