@@ -40,8 +40,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from examples.megatron_cpu.bugs import BUGS, Bug
+from examples.bug_registry import Bug
+from examples.megatron_cpu.bugs import BUGS as MEGATRON_BUGS
 from examples.megatron_cpu.gpt import layout_name
+from examples.torch_parallel.bugs import BUGS as TORCH_BUGS
+from examples.torch_parallel.layout import Layout
 
 __all__ = [
     "LAYOUTS",
@@ -68,19 +71,43 @@ LAYOUTS: dict[str, dict[str, Any]] = {layout_name(l): l for l in (
     _lay(tp=4), _lay(tp=4, sp=True), _lay(tp=2, pp=2), _lay(tp=2, pp=2, sp=True),
     _lay(tp=2, pp=2, sp=True, distopt=True), _lay(tp=2, dp=2), _lay(tp=2, dp=2, sp=True, distopt=True),
     _lay(pp=2, dp=2), _lay(pp=2, dp=2, distopt=True))}
+#: the plain-PyTorch harness's layouts (``examples/torch_parallel``): CP, FP8, MoE, world <= 4
+TORCH = "torch:"
+LAYOUTS.update({TORCH + n: {"torch": Layout.parse(n)} for n in (
+    "tp2.cp1.dp1+sp", "tp1.cp2.dp1", "tp1.cp4.dp1", "tp2.cp2.dp1+sp", "tp1.cp2.dp2",
+    "tp2.cp1.dp1+fp8", "tp2.cp1.dp1+sp+fp8", "tp2.cp2.dp1+fp8", "tp1.cp1.dp2+fp8", "tp1.cp1.dp2+fp8+recompute",
+    "tp1.cp1.dp2+moe", "tp2.cp1.dp1+sp+moe", "tp1.cp2.dp2+moe")})
+#: every bug of both harnesses (names are unique across them)
+BUGS: dict[str, Bug] = {**MEGATRON_BUGS, **TORCH_BUGS}
 DTYPES = ("fp32", "bf16")
 SEEDS = (0, 1, 2)
 STEPS = 3
 NOISE_SAMPLES = 4
 BUG_SEED, BUG_DTYPE = 0, "bf16"
 #: the CI subset: (layout, dtype) rows, one seed, and bugs placed on those layouts
-QUICK_ROWS = (("tp2.pp2.dp1+sp", "bf16"), ("tp2.pp1.dp2+sp+distopt", "fp32"))
-QUICK_BUGS = ("sp_norm_grad_not_reduced", "tied_embedding_grad_not_allreduced", "dp_grad_scale_skipped")
+QUICK_ROWS = (("tp2.pp2.dp1+sp", "bf16"), ("tp2.pp1.dp2+sp+distopt", "fp32"),
+              ("torch:tp1.cp2.dp1", "fp32"), ("torch:tp2.cp2.dp1+fp8", "bf16"))
+QUICK_BUGS = ("sp_norm_grad_not_reduced", "tied_embedding_grad_not_allreduced", "dp_grad_scale_skipped",
+              "cp_ring_backward_stale_kv", "norm_grad_times_tp_with_cp_fp8")
 LAUNCH_TIMEOUT_S = 3 * 3600.0
 
 
 def _world(layout: dict[str, Any]) -> int:
+    if "torch" in layout:
+        return layout["torch"].world
     return int(layout.get("tp", 1)) * int(layout.get("pp", 1)) * int(layout.get("dp", 1))
+
+
+def _dtypes(name: str) -> tuple[str, ...]:
+    """The dtypes a clean layout runs in: FP8 layouts in bf16 only (FP8 training keeps bf16
+    activations and weights, as Transformer Engine recipes do; fp32 + FP8 is discussed in
+    docs/detection.md), every other layout in both."""
+    return ("bf16",) if "torch" in LAYOUTS[name] and LAYOUTS[name]["torch"].fp8 else DTYPES
+
+
+def _torch_reference(name: str) -> str:
+    """The reference layout of a plain-PyTorch layout: one rank, the same model features."""
+    return TORCH + Layout.parse(name[len(TORCH):]).reference().name
 
 
 @dataclass
@@ -88,7 +115,7 @@ class Job:
     """One traced run: the reference (world 1, noise samples) or a candidate."""
 
     kind: str                      # ref | clean | bug
-    layout: str                    # key of LAYOUTS, or "reference"
+    layout: str                    # key of LAYOUTS; a reference: "reference" (megatron) or its torch: layout
     seed: int
     dtype: str
     steps: int
@@ -101,8 +128,17 @@ class Job:
     def world(self) -> int:
         return 1 if self.kind == "ref" else _world(LAYOUTS[self.layout])
 
+    @property
+    def harness(self) -> str:
+        return "torch" if self.layout.startswith(TORCH) else "megatron"
+
     def spec(self) -> dict[str, Any]:
-        """The job as :func:`examples.megatron_cpu.demo._trace_worker` takes it."""
+        """The job as :func:`examples.megatron_cpu.demo._trace_worker` or
+        :func:`examples.torch_parallel.run.trace_job` takes it."""
+        if self.harness == "torch":
+            return {"harness": "torch", "layout": self.layout[len(TORCH):], "dtype": self.dtype, "seed": self.seed,
+                    "steps": self.steps, "root": self.root, "bug": self.bug, "noise_samples": self.noise_samples,
+                    "noise_split": self.noise_tp}
         trace: dict[str, Any] = {"root": self.root}
         lay = _lay() if self.kind == "ref" else LAYOUTS[self.layout]
         if self.kind == "ref":
@@ -114,29 +150,30 @@ class Job:
 def _job_worker(rank: int, world: int, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Gloo worker: each job through the demo's trace worker, timed (wall seconds per job)."""
     from examples.megatron_cpu.demo import _trace_worker
+    from examples.torch_parallel.run import trace_job
     out = []
     for job in jobs:
         t = time.perf_counter()
-        rec = _trace_worker(rank, world, [job])[0]
+        rec = trace_job(job) if job.get("harness") == "torch" else _trace_worker(rank, world, [job])[0]
         out.append({**rec, "wall_s": time.perf_counter() - t})
     return out
 
 
 def run_jobs(jobs: list[Job], log: Callable[[str], None] = print) -> dict[str, dict[str, Any]]:
-    """Run ``jobs``: one gloo launch per world size (references first); results by ``root``.
+    """Run ``jobs``: one gloo launch per harness and world size (references first); results by ``root``.
 
     Each result has ``wall_s`` (the job's wall time on rank 0, build included), ``losses`` and
     ``launch_s`` (the whole launch, start-up included, shared by its jobs)."""
     from examples.gloo import run_gloo
     out: dict[str, dict[str, Any]] = {}
-    for world in sorted({j.world for j in jobs}):
-        batch = [j for j in jobs if j.world == world]
-        log(f"  launch world {world}: {len(batch)} run(s) "
+    for harness, world in sorted({(j.harness, j.world) for j in jobs}):
+        batch = [j for j in jobs if (j.harness, j.world) == (harness, world)]
+        log(f"  launch {harness} world {world}: {len(batch)} run(s) "
             f"({', '.join(sorted({j.layout for j in batch}))})")
         t = time.perf_counter()
         per_rank = run_gloo(_job_worker, world, [j.spec() for j in batch], timeout_s=LAUNCH_TIMEOUT_S)
         launch_s = time.perf_counter() - t
-        log(f"  launch world {world} done in {launch_s:.0f} s")
+        log(f"  launch {harness} world {world} done in {launch_s:.0f} s")
         for j, rec in zip(batch, per_rank[0]):
             out[j.root] = {**rec, "launch_s": launch_s}
     return out
@@ -158,8 +195,12 @@ def _satisfies(needs: dict[str, Any], layout: dict[str, Any]) -> bool:
 
 
 def pick_layout(b: Bug, names: list[str]) -> str | None:
-    """The first layout among ``names`` with the smallest world that satisfies ``b.needs``."""
-    ok = [n for n in names if _satisfies(b.needs, LAYOUTS[n])]
+    """The first layout among ``names`` with the smallest world that satisfies ``b.needs``; a
+    plain-PyTorch bug names its layout (``needs["layout"]``)."""
+    if "layout" in b.needs:
+        name = TORCH + b.needs["layout"]
+        return name if name in names else None
+    ok = [n for n in names if "torch" not in LAYOUTS[n] and _satisfies(b.needs, LAYOUTS[n])]
     return min(ok, key=lambda n: (_world(LAYOUTS[n]), names.index(n))) if ok else None
 
 
@@ -206,7 +247,10 @@ class BugRow:
     note: str = ""
 
 
-def _ref_root(out: Path, seed: int, dtype: str) -> Path:
+def _ref_root(out: Path, seed: int, dtype: str, layout: str = "reference") -> Path:
+    """The reference trace a candidate on ``layout`` is compared with."""
+    if layout.startswith(TORCH):
+        return out / f"ref_torch_{Layout.parse(layout[len(TORCH):]).reference().name}_{dtype}_s{seed}"
     return out / f"ref_{dtype}_s{seed}"
 
 
@@ -225,7 +269,7 @@ def clean_rows(rows: list[tuple[str, str]], seeds: list[int], steps: int, out: P
         row = CleanRow(name, dtype, list(seeds), steps)
         for seed in seeds:
             cand = out / f"clean_{name}_{dtype}_s{seed}"
-            c, dt = _compare(_ref_root(out, seed, dtype), cand)
+            c, dt = _compare(_ref_root(out, seed, dtype, name), cand)
             row.compare_s += dt
             row.trace_s += results[str(cand)]["wall_s"]
             row.tensors += len(c.rows)
@@ -264,16 +308,18 @@ def bug_rows(placed: list[tuple[str, str]], out: Path, results: dict[str, dict[s
     for name, lay in placed:
         b = BUGS[name]
         dtype = b.needs.get("dtype", BUG_DTYPE)
-        row = BugRow(name, b.catalogue, b.bug_class, lay, dtype, f"{b.expected_phase} {b.expected_name}")
+        step = "" if b.expected_step is None else f" (step {b.expected_step})"
+        row = BugRow(name, b.catalogue, b.bug_class, lay, dtype, f"{b.expected_phase} {b.expected_name}{step}")
         cand = out / f"bug_{name}"
-        c, row.compare_s = _compare(_ref_root(out, BUG_SEED, dtype), cand)
+        c, row.compare_s = _compare(_ref_root(out, BUG_SEED, dtype, lay), cand)
         row.trace_s = results[str(cand)]["wall_s"]
         f = c.first
         row.detected = f is not None
         row.replicas_drift = any(r.status == "replicas" or "replicas over" in r.note for r in c.rows)
         if f is not None:
             row.found = f"{f.phase} {f.name} (step {f.step}, mb {f.microbatch})"
-            row.placed = f.phase == b.expected_phase and fnmatch.fnmatchcase(f.name, b.expected_name)
+            row.placed = (f.phase == b.expected_phase and fnmatch.fnmatchcase(f.name, b.expected_name)
+                          and b.expected_step in (None, f.step))
             row.ratio, row.status, row.localisation = f.ratio, f.status, c.localisation
         verdict = ("placed" if row.placed else "MISPLACED") if row.detected else "MISSED"
         log(f"  bug {name:36s} on {lay}: {verdict}; expected {row.expected}, found {row.found or '-'} "
@@ -491,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
         bug_layouts = sorted({n for n, _ in QUICK_ROWS}, key=list(LAYOUTS).index)
     else:
         names = a.layouts or list(LAYOUTS)
-        rows = [(n, d) for n in names for d in (a.dtypes or DTYPES)]
+        rows = [(n, d) for n in names for d in (a.dtypes or DTYPES) if d in _dtypes(n)]
         seeds = a.seeds or list(SEEDS)
         bugs = a.bug or list(BUGS)
         bug_layouts = names
@@ -508,11 +554,16 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    noise_tp = max([LAYOUTS[n]["tp"] for n, _ in rows] + [LAYOUTS[l]["tp"] for _, l in placed] + [1])
-    refs = sorted({(s, d) for _, d in rows for s in seeds} |
-                  {(BUG_SEED, BUGS[n].needs.get("dtype", BUG_DTYPE)) for n, _ in placed})
-    jobs = [Job("ref", "reference", s, d, a.steps, str(_ref_root(out, s, d)), noise_samples=a.noise_samples,
-                noise_tp=noise_tp) for s, d in refs]
+    # one reference per (reference layout, seed, dtype): megatron's, and one per model-feature set
+    # of the plain-PyTorch layouts; each models a TP split of the largest TP of its harness
+    cands = [(n, d, s) for n, d in rows for s in seeds] + [
+        (lay, BUGS[n].needs.get("dtype", BUG_DTYPE), BUG_SEED) for n, lay in placed]
+    noise_tp = {h: max([LAYOUTS[n]["torch"].tp if "torch" in LAYOUTS[n] else LAYOUTS[n]["tp"]
+                        for n, _, _ in cands if n.startswith(TORCH) == (h == "torch")] + [1])
+                for h in ("megatron", "torch")}
+    refs = sorted({(_torch_reference(n) if n.startswith(TORCH) else "reference", s, d) for n, d, s in cands})
+    jobs = [Job("ref", r, s, d, a.steps, str(_ref_root(out, s, d, r)), noise_samples=a.noise_samples,
+                noise_tp=noise_tp["torch" if r.startswith(TORCH) else "megatron"]) for r, s, d in refs]
     jobs += [Job("clean", n, s, d, a.steps, str(out / f"clean_{n}_{d}_s{s}")) for n, d in rows for s in seeds]
     jobs += [Job("bug", lay, BUG_SEED, BUGS[n].needs.get("dtype", BUG_DTYPE), a.steps, str(out / f"bug_{n}"),
                  bug=n) for n, lay in placed]

@@ -1,5 +1,6 @@
-"""The detection benchmark's CI subset: ``python -m bench.detection all --quick`` (2 clean rows
-x 1 seed x 3 steps in fp32 and bf16, plus 3 catalogue bugs, on real megatron-core under gloo).
+"""The detection benchmark's CI subset: ``python -m bench.detection all --quick`` (4 clean rows
+x 1 seed x 3 steps in fp32 and bf16: two on real megatron-core, two on the plain-PyTorch
+CP/FP8 harness, all under gloo; plus 5 catalogue bugs, 3 on megatron-core and 2 on the harness).
 
 One call for the whole module; it must report no tensor over threshold on the clean rows and
 every bug at the phase and tensor it declares (the command's exit status says so)."""

@@ -41,7 +41,9 @@ class StateSnapshot:
 
     def __init__(self, model: torch.nn.Module, optimizer: Any) -> None:
         self.inner = getattr(optimizer, "optimizer", optimizer)
-        self.tensors = (list(model.parameters()) + list(model.buffers())
+        # Module.buffers, not model.buffers: megatron's DDP wrapper has a `buffers` attribute
+        # (its gradient buffers) that shadows the method
+        self.tensors = (list(model.parameters()) + list(torch.nn.Module.buffers(model))
                         + [p for g in self.inner.param_groups for p in g["params"]])
         self.saved = [t.detach().clone() for t in self.tensors]
         self.state = {p: _clone_state(st) for p, st in self.inner.state.items()}

@@ -86,10 +86,11 @@ def _cp_scale(run):
 # --- FP8 -----------------------------------------------------------------------------------------
 
 @bug("fp8_amax_reduced_over_dp_group", catalogue="B09", bug_class="collective on the wrong group",
-     needs={"layout": "tp2.cp1.dp1+fp8"}, expected_phase="fwd", expected_name="layers.0.qkv.output",
-     expected_step=1,
+     needs={"layout": "tp2.cp1.dp1+fp8"}, expected_phase="fp8_scale", expected_name="layers.0.qkv.fp8.scale",
+     expected_step=0,
      doc="FP8 amaxes are reduced over the data-parallel group instead of the amax group (TP x CP x "
-         "DP): the TP ranks' weight shards get different scales from step 1 on")
+         "DP): the TP ranks' weight shards get different scales at the first update (the scale "
+         "replicas differ), and step 1's GEMMs use them")
 def _amax_group(run):
     return replace(train, "amax_group", lambda groups: groups.dp)
 
@@ -134,10 +135,10 @@ def cached_weight_scale_inv_updated(entry: dict, meta: Any) -> torch.Tensor:
 
 
 @bug("fp8_recompute_bwd_amax_not_reduced", catalogue="B12", bug_class="low-precision state (amax)",
-     needs={"layout": "tp1.cp1.dp2+fp8+recompute"}, expected_phase="bwd", expected_name="layers.1.fc1.output_grad",
-     expected_step=1,
+     needs={"layout": "tp1.cp1.dp2+fp8+recompute"}, expected_phase="fp8_scale",
+     expected_name="layers.0.qkv.fp8.scale", expected_step=0,
      doc="with activation recompute the backward (gradient) amaxes are never reduced over the amax "
-         "group: each rank's gradient scales follow its own data from step 1 on")
+         "group: each DP rank's gradient scales follow its own data from the first update on")
 def _bwd_amax(run):
     return replace(fp8, "_backward_amax_group", backward_amax_group_skipped_on_recompute)
 

@@ -124,13 +124,35 @@ class Run:
             self.end_step_fp8()
             if tr:
                 tr.after_optimizer_step()
+                self.record_fp8_scales(tr)
         return total
+
+    def fp8_states(self) -> dict[str, Any]:
+        """``{module name: Fp8State}`` of every FP8 linear (empty without FP8)."""
+        return {n: m.fp8 for n, m in self.model.named_modules() if isinstance(getattr(m, "fp8", None), nn.Module)}
+
+    def record_fp8_scales(self, tr: DDPTracer) -> None:
+        """Trace every FP8 linear's scales after the step-boundary update (phase ``fp8_scale``,
+        record ``<linear>.fp8.scale``: the x, w and g scales). They must be the same on every
+        rank (each is computed from the amax reduced over all ranks), so they are stored
+        replicated over TP, CP and DP and the checker compares the copies bitwise: an amax
+        reduced over the wrong group shows there, at the step where it happened (B09, B12)."""
+        lay, grp = self.layout, self.groups
+        dims = tuple(ShardDim(None, g, r, n, "replicated") for g, r, n in
+                     (("dp", grp.dp_rank, lay.dp), ("cp", grp.cp_rank, lay.cp), ("tp", grp.tp_rank, lay.tp)) if n > 1)
+        # a rank's output gradients are dp*cp times the reference's (its loss share is scaled by
+        # dp*cp), so its g amax is too and its g scale 1/(dp*cp) times: stored times dp*cp (a
+        # power of two: exact, and the quantised gradients differ by exactly that factor)
+        g_factor = torch.tensor([1.0, 1.0, float(lay.dp * lay.cp)])
+        for name, st in self.fp8_states().items():
+            tr.tracer.set_microbatch(0)
+            tr.tracer.record(f"{name}.fp8.scale", st.meta.scale * g_factor, "fp8_scale",
+                             placement=Placement(dims).to_dict(), meta={"g_scaled_by": lay.dp * lay.cp})
 
     def end_step_fp8(self) -> None:
         """Delayed scaling: every FP8 linear's amaxes reduced over :func:`amax_group`, scales updated."""
-        for m in self.model.modules():
-            if hasattr(m, "fp8"):
-                m.fp8.end_step(amax_group(self.groups))
+        for st in self.fp8_states().values():
+            st.end_step(amax_group(self.groups))
 
 
 # --- placements -------------------------------------------------------------------------------
@@ -205,13 +227,13 @@ def loss_dims(layout: Layout, groups: Groups) -> list[ShardDim]:
 
 def tracer_for(run: Run, writer: TraceWriter) -> DDPTracer:
     """A :class:`~tracer.pytorch.DDPTracer` over ``run``'s model with the harness placements.
-    Traced: every module's output and output gradient except the MoE internals (router,
-    experts: their tensors live on gathered tokens), the losses, reduced gradients and
-    updated parameters."""
+    Traced: every module's output and output gradient except the MoE router's (integer expert
+    indices; its linear's logits are traced), the losses, reduced gradients, updated
+    parameters and, with FP8, the scales (:meth:`Run.record_fp8_scales`)."""
     lay, grp = run.layout, run.groups
     params = dict(run.model.named_parameters())
     return DDPTracer(run.model, writer, num_microbatches=run.n_local, dp_rank=grp.dp_rank, dp=lay.dp,
-                     exclude=("", "layers", "*.moe.*"), capture=("fwd_out", "bwd_out", "grad", "param"),
+                     exclude=("", "layers", "*.moe.router", "*.fp8"), capture=("fwd_out", "bwd_out", "grad", "param"),
                      placement_fn=lambda local, name, t: module_placement(lay, grp, local, name, t),
                      param_placement=lambda local: param_placement(lay, grp, local, params[local]),
                      loss_placement=Placement(tuple(loss_dims(lay, grp))).to_dict(),
