@@ -376,105 +376,13 @@ def bug_markdown(rows: list[BugRow], command: str, total_s: float) -> str:
     return "\n".join(lines)
 
 
-PAGE = """# Detection benchmark
-
-Does the tracer tell legitimate round-off from a bug? Two measurements on real megatron-core
-0.16.1 (local spec, CPU/gloo, `examples/megatron_cpu`), the tiny GPT of `DEFAULT_MODEL`
-(2 layers, hidden 64, 4 heads, ffn 256, vocab 128, seq 32), global batch 4, micro batch 1,
-Adam, clip 1.0, from `bench/detection.py`:
-
-* **clean matrix**: every layout, fp32 and bf16 (fp32 main params), 3 seeds x 3 steps,
-  compared with the single-device reference; goal 0 tensors over threshold;
-* **bugs**: every bug of `examples/megatron_cpu/bugs.py`, injected into one run; goal:
-  detected, with the first divergence at the tensor and phase the bug declares.
-
-The reference per (seed, dtype) is traced once, with 4 noise samples that model a TP split of
-the largest TP in the run (4), and shared by every candidate of that seed and dtype.
-`python -m bench.detection all --write docs/detection.md` reruns everything; `--quick`
-(2 rows x 1 seed x 3 steps + 3 bugs, fp32 and bf16) exits non-zero on any false positive or
-missed or misplaced bug; `tests/test_detection_quick.py` runs it. It took 2.1 min wall on the
-2 cores when they were otherwise idle, 9.9 min (4.1 min CPU) while other jobs shared them. Run time is dominated by the comparison (15-90 s per
-3-step comparison here, more than half of it opening the safetensors file once per tensor in
-`TraceReader.load`), not by tracing (3-20 s per 3-step candidate run once a launch is warm):
-see the timings in the tables.
-
-## Clean matrix
-
-<!-- detection:clean:begin -->
-(not run yet)
-<!-- detection:clean:end -->
-
-Virtual pipeline parallelism is not in the matrix. Tried: `build_and_train({"pp": 2}, num_layers=4,
-virtual_pipeline_model_parallel_size=2)` on 2 gloo ranks fails in megatron-core's
-`get_transformer_layer_offset` with `AssertionError: vp_stage must be provided if virtual pipeline
-model parallel size is set`: the harness (`examples/megatron_cpu/gpt.py`) builds one model chunk
-per stage; VPP needs a list of chunks, each built with its `vp_stage`, `parallel_state`
-initialised with the virtual size, and the interleaved schedule. Nothing in megatron-core's
-interleaved schedule is CUDA-only as far as we know, so this is harness work, not a CPU limit.
-
-## Bugs
-
-<!-- detection:bugs:begin -->
-(not run yet)
-<!-- detection:bugs:end -->
-
-"Replicas drift": some tensor that the candidate's own metadata marks as replicated (over TP,
-DP, or the two tied embedding copies) differs bitwise across ranks (status `replicas`), a check
-against the candidate itself that needs no reference.
-
-### Catalogue bugs left out, and why
-
-| catalogue | why it does not run here |
-|---|---|
-| B02, B28 (CP attention backward), B29 (RoPE under CP) | no context parallelism in megatron-core's local attention on CPU; a plain-PyTorch ring-attention harness is not written yet |
-| B03 (norm grad x TP with TP+CP+FP8), B09, B10, B11, B12 (FP8 amax/scale/cache) | FP8 in megatron-core needs Transformer Engine (CUDA); an FP8 fake-quant harness is not written yet |
-| B04, B17, B30 (MoE router), B31 (expert grads x EP) | the MoE layer was not run on the local spec here; B31's class (collective on the wrong group) is covered by `grad_norm_wrong_group` |
-| B05 (SP dropout RNG context) | needs dropout > 0: a TP run's per-rank dropout masks cannot equal the single-device reference's, so clean runs are not comparable either |
-| B24 (FSDP grads doubled), B26 (FSDP2 AVG on gloo) | Megatron-FSDP / FSDP2 are not in the harness |
-| B25 (overlap-grad-reduce race) | `overlap_grad_reduce` needs CUDA streams |
-
-## Sensitivity against peers
-
-<!-- sensitivity -->
-
-## Cost
-
-<!-- cost -->
-
-## How to add a bug
-
-A bug is a function in `examples/megatron_cpu/bugs.py` that patches megatron-core or the
-harness for one run (a monkeypatch, never an edit of installed files) and returns the function
-that undoes it. It runs on every rank after the model, the optimizer and the tracer are built:
-
-```python
-@bug("my_bug", catalogue="B99", bug_class="wrong scale factor",
-     needs={"tp": 2, "sp": True},              # numbers: at least; booleans: exactly
-     expected_phase="grad", expected_name="decoder.layers.0.*",   # fnmatch on the canonical name
-     doc="what goes wrong, where, and why the first divergence is there")
-def _my_bug(model, config, optimizer):          # the DDP-wrapped model, TransformerConfig, optimizer
-    import importlib                            # megatron.core.distributed.finalize_model_grads is
-    fmg = importlib.import_module("megatron.core.distributed.finalize_model_grads")  # also a function
-    orig = fmg._allreduce_word_embedding_grads
-    fmg._allreduce_word_embedding_grads = lambda *a, **k: None      # the patch
-    def undo():
-        fmg._allreduce_word_embedding_grads = orig
-    return undo
-```
-
-Then `python -m bench.detection detect --bug my_bug` traces it on the smallest clean layout
-that satisfies `needs` and checks the first divergence. Phases, in execution order per step:
-`fwd` (module inputs/outputs), `loss`, `bwd` (module output grads), `grad_local` (each rank's
-grad before `finalize_model_grads`), `grad` (after it), `grad_norm`, `param` (after the step);
-canonical names are in `docs/tracing.md`. If the first divergence is legitimately elsewhere
-(e.g. an earlier tensor that depends on the patched one), say why in `doc` and declare that.
-"""
-
-
 def write_page(path: Path, blocks: dict[str, str]) -> Path:
-    """Replace the ``<!-- detection:NAME:begin/end -->`` blocks of ``path`` (the page is
-    written from :data:`PAGE` first if it does not exist); other text is left alone."""
-    text = path.read_text() if path.exists() else PAGE
+    """Replace the ``<!-- detection:NAME:begin/end -->`` blocks of ``path``; other text is left
+    alone (the page's prose is written by hand: ``docs/detection.md``)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such page; --write replaces the tables of an existing page "
+                                "(docs/detection.md) between its <!-- detection:NAME:begin/end --> markers")
+    text = path.read_text()
     for name, body in blocks.items():
         begin, end = f"<!-- detection:{name}:begin -->", f"<!-- detection:{name}:end -->"
         if begin not in text or end not in text:

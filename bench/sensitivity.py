@@ -56,6 +56,8 @@ __all__ = [
     "METHODS",
     "TARGETS",
     "Target",
+    "ceiling_table",
+    "coherent_scale",
     "corrupt_shard",
     "depth_bound",
     "flag_assert_close",
@@ -130,6 +132,25 @@ def smallest_delta(flags: Callable[[float], bool], lo: float = DELTA_LO, hi: flo
         else:
             lo = mid
     return hi
+
+
+def coherent_scale(cand: torch.Tensor, ref: torch.Tensor, region: torch.Tensor) -> float:
+    r"""The least-squares scale of ``cand`` against ``ref`` on ``region`` (a boolean mask), less one:
+    ``a = <c - r, r>_S / <r, r>_S`` (``nan`` when ``r`` is zero there).
+
+    A shard corrupted by ``1 + delta`` moves ``a`` by ``delta (1 + a)`` and leaves the rest of
+    ``c - r`` (orthogonal to ``r``) unchanged to first order, so the corruption is visible only
+    along ``r``. A correct run already differs from the reference along ``r`` by its own ``a``
+    (a legitimate coherent scale: a per-token normalisation, or a parameter that an earlier
+    Adam step moved by a different sign, rescales a whole shard): a ``delta`` within the spread
+    of ``a`` over correct runs cannot be told from a correct run by any per-tensor method, so
+    ``max(|a| of the clean candidate, cast floor)`` is a floor for every method's smallest
+    detectable ``delta`` on that shard (one sample of the spread, not a bound).
+    """
+    r = ref.detach().double().reshape(-1)[region.reshape(-1)]
+    c = cand.detach().double().reshape(-1)[region.reshape(-1)]
+    rr = float(torch.dot(r, r))
+    return float(torch.dot(c - r, r)) / rr if rr > 0 else math.nan
 
 
 def corrupt_shard(shard: torch.Tensor, delta: float) -> torch.Tensor:
@@ -255,6 +276,18 @@ class Case:
             return flag_depth(full, ref, self.bound * self.k0 / DEPTH_K)
         raise ValueError(f"unknown method {method!r}")
 
+    def region(self) -> torch.Tensor | None:
+        """Boolean mask of the corrupted shard's elements in the full tensor (None when the
+        shard is a pending sum, which covers no region of its own)."""
+        from tracer.canonical import Placement, shard
+        pl = Placement.from_dict(self.entries[self.rank]["placement"] or {"dims": []})
+        if any(d.kind == "partial" for d in pl.dims):
+            return None
+        ids = torch.arange(self.ref_t.numel(), dtype=torch.int64).reshape(self.ref_t.shape)
+        mask = torch.zeros(self.ref_t.numel(), dtype=torch.bool)
+        mask[shard(ids, pl).reshape(-1)] = True
+        return mask.reshape(self.ref_t.shape)
+
     def cast_changes(self, delta: float) -> bool:
         """Does the cast back to the stored dtype keep any change at all?"""
         s = self.shards[self.rank]
@@ -275,8 +308,15 @@ class Result:
     threshold: float                # our threshold
     clean_ratio: float              # our error / threshold on the clean candidate
     bound: float                    # the depth rule's relative bound
+    legit_scale: float = math.nan   # |coherent_scale| of the clean candidate's shard
+    noise_scale: float = math.nan   # largest |coherent_scale| of the noise samples' shard
     clean: dict[str, bool] = field(default_factory=dict)    # flagged on the clean tensor (FP)
     delta: dict[str, float] = field(default_factory=dict)   # smallest flagged delta (inf: never)
+
+    @property
+    def floor(self) -> float:
+        """The smallest delta any per-tensor method can hope to flag here (:func:`coherent_scale`)."""
+        return max(self.cast_floor, self.legit_scale) if math.isfinite(self.legit_scale) else self.cast_floor
 
     def ratio(self, peer: str) -> float | None:
         """peer delta / our delta (None when either flags the clean tensor)."""
@@ -322,6 +362,10 @@ def measure(case: Case, dtype: str, clean_row) -> Result:
     res = Result(dtype, case.target, case.rank, str(case.ref_e["dtype"]), list(case.ref_t.shape),
                  sn / fn if fn else 0.0, smallest_delta(case.cast_changes, lo=1e-9), clean_ours.threshold,
                  clean_ours.ratio, case.bound)
+    region = case.region()
+    if region is not None:
+        res.legit_scale = abs(coherent_scale(full, case.ref_t, region))
+        res.noise_scale = max(abs(coherent_scale(n, case.ref_t, region)) for n in case.noisy)
     for m in METHODS:
         res.clean[m] = case.flags(m, 0.0)
         res.delta[m] = smallest_delta(lambda d, m=m: case.flags(m, d))
@@ -528,13 +572,14 @@ def median_ratio(results: list[Result], peer: str) -> tuple[str, int, int]:
 
 def table(results: list[Result]) -> str:
     """Markdown table of the results."""
-    head = ("| dtype | step | phase | tensor (mb) | stored | shard rank | cast floor | ours (clean ratio) | "
-            + " | ".join(PEERS) + " | " + " | ".join(f"{p}/ours" for p in PEERS) + " |")
-    lines = [head, "|" + "---|" * (8 + 2 * len(PEERS))]
+    head = ("| dtype | step | phase | tensor (mb) | stored | shard rank | cast floor | legit scale (noise) | "
+            "ours (clean ratio) | " + " | ".join(PEERS) + " | " + " | ".join(f"{p}/ours" for p in PEERS) + " |")
+    lines = [head, "|" + "---|" * (9 + 2 * len(PEERS))]
     for r in results:
         t = r.target
         lines.append(f"| {r.dtype} | {t.step} | {t.phase} | `{t.name}` ({t.microbatch}) | {r.stored_dtype} | "
-                     f"{r.rank} | {r.cast_floor:.2g} | {_fmt_delta(r, 'ours')} ({r.clean_ratio:.2f}) | "
+                     f"{r.rank} | {r.cast_floor:.2g} | {r.legit_scale:.2g} ({r.noise_scale:.2g}) | "
+                     f"{_fmt_delta(r, 'ours')} ({r.clean_ratio:.2f}) | "
                      + " | ".join(_fmt_delta(r, p) for p in PEERS) + " | "
                      + " | ".join(_fmt_ratio(r, p) for p in PEERS) + " |")
     return "\n".join(lines)
@@ -555,6 +600,25 @@ def summary_table(results: list[Result]) -> str:
             cells.append(f"{med} ({n}), FP {fp}/{len(rs)}")
         lines.append(f"| {dt} | {kind} ({len(rs)}) | {sum(r.clean['ours'] for r in rs)}/{len(rs)} | "
                      + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def ceiling_table(results: list[Result]) -> str:
+    """Per dtype and kind: how far below each method any per-tensor method could go, i.e. the
+    median of ``delta / floor`` (:attr:`Result.floor`), and on how many tensors a 10x lead over
+    the peer is possible at all (``peer delta / floor >= 10``); FP tensors of a method are left out."""
+    methods = ("ours",) + FIXED_PEERS
+    lines = ["| dtype | tensors | " + " | ".join(f"{m}: median delta/floor, 10x possible" for m in methods) + " |",
+             "|" + "---|" * (2 + len(methods))]
+    for dt in dict.fromkeys(r.dtype for r in results):
+        for kind in ("grad", "activation"):
+            rs = [r for r in results if r.dtype == dt and r.target.kind == kind]
+            cells = []
+            for m in methods:
+                vals = [min(r.delta[m], DELTA_HI) / r.floor for r in rs if not r.clean[m] and r.floor > 0]
+                ten = sum(v >= 10 for v in vals)
+                cells.append(f"{statistics.median(vals):.3g}, {ten}/{len(vals)}" if vals else "n/a (all FP)")
+            lines.append(f"| {dt} | {kind} ({len(rs)}) | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -620,6 +684,21 @@ peer flags already at delta = 1e-6, the lower end of the search); a median over 
 the same mark (`~` when both kinds enter).
 
 {summary_table(results)}
+
+## How far down any method could go
+
+A shard scaled by `1 + delta` differs from the clean shard only along the reference itself;
+a correct run already differs from the reference along that direction by its own coherent
+scale `a = <c - r, r>_S / <r, r>_S` over the shard `S` (`bench.sensitivity.coherent_scale`;
+column `legit scale`: `|a|` of the clean candidate, and in parentheses the largest `|a|` of the
+4 noise samples, which over-estimate a correct run's difference by design). A `delta` inside
+the spread of `a` over correct runs looks like a correct run to every per-tensor method, so
+`floor = max(cast floor, |a| of the clean candidate)` is roughly the smallest corruption any
+method can flag without false positives (one sample of the spread, not a bound). The table
+gives each method's median `delta / floor`, and on how many tensors `peer delta / floor >= 10`,
+i.e. on how many a 10x lead over that peer is possible at all:
+
+{ceiling_table(results)}
 
 ## False positives over the whole clean comparison
 

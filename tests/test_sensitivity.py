@@ -105,3 +105,30 @@ def test_ratio_bounds_and_median() -> None:
     assert ratio_bound(res(0.01, 0.1, fp=True), "cosine") is None
     med, n, fps = median_ratio([res(0.01, 0.1), res(0.01, 0.3), res(0.01, 0.2, fp=True)], "cosine")
     assert (med, n, fps) == ("20", 2, 1)
+
+
+def test_coherent_scale_sees_only_the_shard_scaling() -> None:
+    from bench.sensitivity import coherent_scale
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(64, 32, generator=g, dtype=torch.float64)
+    region = torch.zeros(64, 32, dtype=torch.bool)
+    region[:, :16] = True                                   # a column shard
+    cand = ref.clone()
+    cand[:, :16] *= 1.0 + 3e-3
+    assert coherent_scale(cand, ref, region) == pytest.approx(3e-3, rel=1e-9)
+    assert coherent_scale(cand, ref, ~region) == 0.0        # the other shard is untouched
+    noise = torch.randn(64, 32, generator=g, dtype=torch.float64)
+    noise -= (noise * ref).sum() / (ref * ref).sum() * ref   # orthogonal to ref: no scale at all
+    assert abs(coherent_scale(ref + 1e-2 * noise, ref, torch.ones_like(region))) < 1e-15
+    assert math.isnan(coherent_scale(ref, torch.zeros_like(ref), region))
+
+
+def test_floor_and_ceiling_table() -> None:
+    from bench.sensitivity import Result, Target, ceiling_table
+    r = Result("bf16", Target(2, "grad", "x"), 0, "float32", [2], 0.7, 1e-8, 1.0, 0.5, 0.03, legit_scale=0.02)
+    r.clean = {m: False for m in ("ours", "assert_close", "cosine", "max_abs", "depth")}
+    r.delta = {"ours": 0.2, "assert_close": 0.5, "cosine": 0.3, "max_abs": 0.1, "depth": math.inf}
+    assert r.floor == 0.02
+    row = ceiling_table([r]).splitlines()[2]
+    # ours 0.2/0.02 = 10 (a 10x lead over ours is possible), max_abs 5 (not), depth never flags: 1/0.02
+    assert "| 10, 1/1 |" in row and "| 5, 0/1 |" in row and "| 50, 1/1 |" in row
