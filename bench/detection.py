@@ -1,29 +1,31 @@
-"""Detection benchmark (issue 8): false positives over clean megatron-core layouts, and every
-registered bug caught at the tensor and phase it declares.
+"""Detection benchmark (issue 8): false positives over clean megatron-core and plain-PyTorch
+layouts, and every registered bug caught at the tensor and phase it declares.
 
     python -m bench.detection clean|detect|all [--quick] [--bug NAME ...] [--layouts NAME ...]
                               [--seeds 0 1 2] [--dtypes fp32 bf16] [--steps 3] [--out DIR]
                               [--write docs/detection.md]
 
-* ``clean``: every (layout, dtype) row of the clean matrix, for every seed, is traced on
-  real megatron-core under gloo and compared with the single-device reference
+* ``clean``: every (layout, dtype) row of the clean matrix, for every seed, is traced (real
+  megatron-core under gloo; ``torch:`` layouts on the plain-PyTorch harness,
+  :mod:`examples.torch_parallel`) and compared with the single-device reference
   (:func:`tracer.check.compare`). Per row: tensors compared, tensors not ``ok`` (goal 0),
   the largest error/threshold (the safety margin), wall time.
-* ``detect``: every bug of :mod:`examples.megatron_cpu.bugs` (or ``--bug``) runs on the first
-  layout (smallest world) that satisfies its ``needs``; the first divergence found is checked
-  against the declared one (phase equal, name matching the declared ``fnmatch`` pattern), and
-  replicated copies that drifted across ranks are reported.
+* ``detect``: every registered bug (:mod:`examples.megatron_cpu.bugs`,
+  :mod:`examples.torch_parallel.bugs`; or ``--bug``) runs on the first layout (smallest world)
+  that satisfies its ``needs``; the first divergence found is checked against the declared one
+  (phase equal, name matching the declared ``fnmatch`` pattern), and replicated copies that
+  drifted across ranks are reported.
 * ``all``: both, sharing the launches.
 
-Cost control: one reference trace (with ``--noise-samples`` noise samples, modelling a TP
-split of the largest TP in the run, 4 in the full matrix) per (seed, dtype), all references in
-one world-1 gloo launch, and all candidates of one world size in one launch. Candidate traces
-are deleted once compared (``--keep-traces`` keeps them).
+Cost control: one reference trace per harness, seed and dtype (with ``--noise-samples`` noise
+samples, modelling a TP split of the largest TP in the run), all references in one world-1
+gloo launch, and all candidates of one world size in one launch. Candidate traces are deleted
+once compared (``--keep-traces`` keeps them).
 
-``--quick`` is the CI-sized subset (2 rows x 1 seed x 3 steps + 3 bugs, fp32 and bf16, world 4
-only). The exit status is 1 on any false positive or any missed or misplaced bug, else 0.
-``--write FILE`` replaces the tables this command produced in FILE (between the
-``<!-- detection:* -->`` markers), writing the whole page first if it does not exist.
+``--quick`` is the CI-sized subset (:data:`QUICK_ROWS` x 1 seed x 3 steps, one row per harness
+feature group, and the bugs :data:`QUICK_BUGS`). The exit status is 1 on any false positive
+or any missed or misplaced bug, else 0. ``--write FILE`` replaces the tables this command
+produced in FILE, an existing page, between its ``<!-- detection:* -->`` markers.
 """
 from __future__ import annotations
 
@@ -416,11 +418,13 @@ def _log(msg: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.detection", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.detection", description=__doc__.split("\n\n")[0])
     ap.add_argument("command", choices=["clean", "detect", "all"])
     ap.add_argument("--quick", action="store_true", help="the CI subset (see the module docstring)")
-    ap.add_argument("--bug", action="append", choices=sorted(BUGS), help="bug(s) to run (default: all)")
-    ap.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), help="clean layouts (default: all)")
+    ap.add_argument("--bug", nargs="+", action="extend", choices=sorted(BUGS), metavar="NAME",
+                    help="bug(s) to run, repeatable (default: all): " + ", ".join(sorted(BUGS)))
+    ap.add_argument("--layouts", nargs="+", choices=sorted(LAYOUTS), metavar="LAYOUT",
+                    help="clean layouts (default: all): " + ", ".join(sorted(LAYOUTS)))
     ap.add_argument("--seeds", nargs="+", type=int, default=None, help=f"default {list(SEEDS)}")
     ap.add_argument("--dtypes", nargs="+", choices=DTYPES, default=None, help=f"default {list(DTYPES)}")
     ap.add_argument("--steps", type=int, default=STEPS)

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from examples.bug_registry import Registry, replace
-from examples.torch_parallel import fp8, moe, train
+from examples.torch_parallel import comm, fp8, moe, train
 from examples.torch_parallel import ring_attention as ra
 
 __all__ = ["BUGS", "UNIT_PATCHES", "bug"]
@@ -113,7 +113,7 @@ def gather_for_wgrad_wrong_dim(x_local: torch.Tensor, group: Any) -> torch.Tenso
     """B10's ``fp8._gather_for_wgrad`` (TE #530): ``gather_along_last_dim`` of ``x^T [in, t]``
     done with a dim-0 all-gather, then viewed as ``[in, p*t]``: right shape, wrong layout."""
     xt = x_local.t().contiguous()
-    return fp8._all_gather_dim0(xt, group).reshape(xt.shape[0], -1).t()
+    return comm.all_gather_seq(xt, group).reshape(xt.shape[0], -1).t()
 
 
 @bug("fp8_cached_weight_wrong_scale_inv", catalogue="B11", bug_class="low-precision state (cache)",

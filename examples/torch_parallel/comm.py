@@ -13,10 +13,12 @@ function               forward                    backward
 =====================  =========================  ==========================
 
 ``group=None`` (size 1) makes each of them the identity. Sums run in the tensor's dtype (a
-bf16 all-reduce rounds in bf16, as NCCL does). gloo has no reduce-scatter for CPU tensors,
-so it is an all-reduce followed by taking this rank's block: the same sums, each rank keeps
-its part. Every collective is a module-level function looked up at call time, so a harness
-bug can replace one (e.g. skip a reduction) for one run.
+bf16 all-reduce rounds in bf16, as NCCL does). The reduce-scatter is an all-reduce followed
+by taking this rank's block: the same sums as gloo's ``reduce_scatter`` (which torch 2.13
+has), bitwise for two ranks, through the one reduction path every dtype takes. The raw
+collectives (:func:`all_reduce`, :func:`all_gather_seq`, :func:`reduce_scatter_seq_raw`) are
+also the MoE dispatcher's and the FP8 linear's. Every collective is a module-level function
+looked up at call time, so a harness bug can replace one (e.g. skip a reduction) for one run.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ def all_reduce(t: torch.Tensor, group: Any, op: dist.ReduceOp = dist.ReduceOp.SU
     """Sum (or ``op``) of ``t`` over ``group``, a new tensor (``t`` itself when ``group`` is None)."""
     if group is None:
         return t
-    out = t.contiguous().clone()
+    out = t.detach().contiguous().clone()
     dist.all_reduce(out, op=op, group=group)
     return out
 
@@ -43,7 +45,7 @@ def all_gather_seq(t: torch.Tensor, group: Any) -> torch.Tensor:
     if group is None:
         return t
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t.contiguous(), group=group)
+    dist.all_gather(parts, t.detach().contiguous(), group=group)
     return torch.cat(parts, dim=0)
 
 
@@ -51,8 +53,12 @@ def reduce_scatter_seq_raw(t: torch.Tensor, group: Any) -> torch.Tensor:
     """This rank's block (along dim 0) of the sum of ``t`` over the group."""
     if group is None:
         return t
+    world = dist.get_world_size(group)
+    if t.shape[0] % world:
+        raise ValueError(f"reduce-scatter: dim 0 ({t.shape[0]}) is not divisible by the group size "
+                         f"{world}; pad the tokens to a multiple of the group size")
     total = all_reduce(t, group)
-    return total.chunk(dist.get_world_size(group), dim=0)[dist.get_rank(group)].contiguous()
+    return total.chunk(world, dim=0)[dist.get_rank(group)].contiguous()
 
 
 class _CopyTo(torch.autograd.Function):

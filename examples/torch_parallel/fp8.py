@@ -81,8 +81,8 @@ with the ``scale_inv`` stored with it (:func:`_cached_weight_scale_inv`) and doe
 the weight amax (TE skips it: the weight has not changed); ``None`` casts every time and
 caches nothing.
 
-Collectives are gloo-compatible (``dist.all_gather`` into a list, ``dist.reduce_scatter``
-with a list; both supported by gloo in torch 2.13, bf16 included).
+Collectives are the harness's (:mod:`examples.torch_parallel.comm`): all-gather along dim 0,
+and the reduce-scatter as an all-reduce plus this rank's block.
 """
 from __future__ import annotations
 
@@ -91,6 +91,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from examples.torch_parallel.comm import all_gather_seq, reduce_scatter_seq_raw
 from ttrace_num.formats import FloatFormat, get_format
 from ttrace_num.rounding import round_to
 from ttrace_num.scaling import ScalingRecipe, scales_from_amax
@@ -187,38 +188,13 @@ def _backward_amax_group(group: Any, recompute: bool) -> Any:
 def _gather_for_wgrad(x_local: torch.Tensor, group: Any) -> torch.Tensor:
     """All-gather this rank's saved FP8 input shard ``[t, in]`` along dim 0 -> ``[p*t, in]``
     (TE ``gather_along_first_dim``). Bug B10 replaces it (:func:`_gather_for_wgrad_b10`)."""
-    return _all_gather_dim0(x_local, group)
+    return all_gather_seq(x_local, group)
 
 
 def _cached_weight_scale_inv(entry: dict, meta: Fp8Meta) -> torch.Tensor:
     """The ``scale_inv`` to decode a cached FP8 weight with: the one stored with it at
     ``is_first_microbatch=True``. Bug B11 replaces it (:func:`_cached_weight_scale_inv_b11`)."""
     return entry["scale_inv"]
-
-
-# ---------------------------------------------------------------------- collectives (gloo)
-def _all_gather_dim0(t: torch.Tensor, group: Any) -> torch.Tensor:
-    """Concatenate every rank's ``t`` along dim 0, in rank order."""
-    world = dist.get_world_size(group)
-    if world == 1:
-        return t
-    t = t.contiguous()
-    parts = [torch.empty_like(t) for _ in range(world)]
-    dist.all_gather(parts, t, group=group)
-    return torch.cat(parts, dim=0)
-
-
-def _reduce_scatter_dim0(t: torch.Tensor, group: Any) -> torch.Tensor:
-    """Sum ``t`` over ``group`` and return this rank's chunk of dim 0."""
-    world = dist.get_world_size(group)
-    if world == 1:
-        return t
-    if t.shape[0] % world:
-        raise ValueError(f"reduce-scatter: dim 0 ({t.shape[0]}) not divisible by the group size {world}")
-    chunks = [c.contiguous() for c in t.chunk(world, dim=0)]
-    out = torch.empty_like(chunks[0])
-    dist.reduce_scatter(out, chunks, op=dist.ReduceOp.SUM, group=group)
-    return out
 
 
 # ---------------------------------------------------------------------- delayed scaling state
@@ -339,7 +315,7 @@ class Fp8LinearFunction(torch.autograd.Function):
             s_x, s_inv_x = meta.scale_of("x")
             q_x = fp8_cast(x, s_x, FORMATS["x"])
             q_w, s_inv_w = _weight_fp8(weight, meta, cache, is_first_microbatch)
-            q_full = _all_gather_dim0(q_x, sp_group) if sp_group is not None else q_x
+            q_full = all_gather_seq(q_x, sp_group) if sp_group is not None else q_x
             xq = fp8_dequantize(q_full, s_inv_x)
             wq = fp8_dequantize(q_w, s_inv_w)
         y = torch.matmul(xq, wq.t()).to(x.dtype)  # the GEMM: visible to torch-function modes
@@ -364,7 +340,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         dw = torch.matmul(gq.t(), xq).to(ctx.w_dtype)  # wgrad GEMM
         if sp_group is not None:
             with torch._C.DisableTorchFunction():
-                dx = _reduce_scatter_dim0(dx, sp_group)
+                dx = reduce_scatter_seq_raw(dx, sp_group)
         return dx, dw, None, None, None, None, None
 
 

@@ -45,6 +45,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from examples.torch_parallel.comm import all_gather_seq, all_reduce, reduce_from, reduce_scatter_seq_raw
+
 __all__ = [
     "PATCH_POINTS",
     "Experts",
@@ -78,37 +80,15 @@ def group_rank(group: Any) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def _all_reduce(t: torch.Tensor, group: Any) -> torch.Tensor:
-    """Sum of ``t`` over ``group`` in ``t``'s dtype, as a new tensor (``t`` for ``None``)."""
-    if group is None:
-        return t
-    out = t.detach().contiguous().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
-    return out
-
-
-def _all_gather(t: torch.Tensor, group: Any) -> torch.Tensor:
-    """The group's (equal-shaped) tensors concatenated along dim 0 in group-rank order."""
-    if group is None:
-        return t
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t.detach().contiguous(), group=group)
-    return torch.cat(parts, dim=0)
-
-
 def _reduce_scatter(t: torch.Tensor, group: Any) -> torch.Tensor:
-    """This rank's block (dim 0) of the sum of ``t`` over ``group``. gloo: all-reduce + slice
-    (the same sums as a reduce-scatter, each rank keeps its block). Patch point."""
-    if group is None:
-        return t
-    total = _all_reduce(t, group)
-    return total.chunk(dist.get_world_size(group), dim=0)[dist.get_rank(group)].contiguous()
+    """This rank's block (dim 0) of the sum of ``t`` over ``group``
+    (:func:`~examples.torch_parallel.comm.reduce_scatter_seq_raw`). Patch point."""
+    return reduce_scatter_seq_raw(t, group)
 
 
 def _all_gather_backward(grad: torch.Tensor, group: Any) -> torch.Tensor:
-    """Gradient of :func:`_all_gather` w.r.t. this rank's input. Every rank consumes the
-    gathered tensor, so d(sum_r L_r)/d x_me = sum_r (dL_r/d gathered)[my block]: a
-    reduce-scatter. Patch point (B17-like bug: return ``grad``'s own block without the sum,
+    """Gradient of the EP all-gather w.r.t. this rank's input. Every rank consumes the gathered
+    tensor, so d(sum_r L_r)/d x_me = sum_r (dL_r/d gathered)[my block]: a reduce-scatter. Patch point (B17-like bug: return ``grad``'s own block without the sum,
     i.e. treat a Partial gradient as Replicate)."""
     return _reduce_scatter(grad, group)
 
@@ -119,7 +99,7 @@ class _GatherTokens(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return _all_gather(x, group)
+        return all_gather_seq(x, group)
 
     @staticmethod
     def backward(ctx, g):
@@ -136,24 +116,7 @@ class _ScatterOutputs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return _all_gather(g.contiguous(), ctx.group), None
-
-
-class _SumReplicatedLoss(torch.autograd.Function):
-    """Forward: all-reduce (sum) over ``group``. Backward: identity.
-
-    Used for a partial statistic that enters a loss every rank of ``group`` holds and
-    backpropagates (megatron ``reduce_from_tensor_model_parallel_region``): the objective the
-    harness differentiates is ONE copy of that loss, and d(loss)/d(partial_r) =
-    d(loss)/d(sum) for every r, which is the incoming grad itself."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        return _all_reduce(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
+        return all_gather_seq(g.contiguous(), ctx.group), None
 
 
 def gather_tokens(x: torch.Tensor, group: Any) -> torch.Tensor:
@@ -181,14 +144,16 @@ def _aux_expert_counts(local_counts: torch.Tensor, stat_group: Any) -> torch.Ten
     """Top-k assignments per expert over the sequence: ``local_counts`` summed over
     ``stat_group`` into a NEW tensor (B30 variant #7452-10: in-place all-reduce of a tensor
     later reused as local). Patch point."""
-    return _all_reduce(local_counts, stat_group)
+    return all_reduce(local_counts, stat_group)
 
 
 def _aux_prob_sum(local_sum: torch.Tensor, stat_group: Any) -> torch.Tensor:
     """``sum_t probs[t, e]`` over the sequence: the local sums all-reduced over
-    ``stat_group``; backward identity (:class:`_SumReplicatedLoss`). Patch point (e.g. a
+    ``stat_group``; backward identity (:func:`~examples.torch_parallel.comm.reduce_from`: the
+    objective every rank differentiates is ONE copy of the loss built on the sum, so
+    d(loss)/d(partial_r) = d(loss)/d(sum) for every r, the incoming grad). Patch point (e.g. a
     backward that also all-reduces: the aux gradient x ``|stat_group|``)."""
-    return local_sum if stat_group is None else _SumReplicatedLoss.apply(local_sum, stat_group)
+    return reduce_from(local_sum, stat_group)
 
 
 def switch_aux_loss(probs: torch.Tensor, indices: torch.Tensor, num_experts: int, topk: int,
@@ -353,7 +318,7 @@ class MoE(nn.Module):
         idx, w, probs, logits = self.router(x)
         aux = switch_aux_loss(probs, idx, self.num_experts, self.topk, self.aux_loss_coeff, self.stat_group)
         xg = gather_tokens(x, self.ep_group)
-        idxg = _all_gather(idx, self.ep_group)
+        idxg = all_gather_seq(idx, self.ep_group)
         wg = gather_tokens(w, self.ep_group)
         buf = torch.zeros(xg.shape[0], self.hidden, dtype=self.dtype)
         ex = {} if cap is not None else None
