@@ -397,7 +397,7 @@ class TraceReader:
                                         f"supported {SCHEMA_VERSION}", path=path)
         self._manifests: dict[tuple[int, int], dict[str, Any]] = {}
         self._entry_index: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
-        self._handles: dict[tuple[int, int], tuple[Any, set[str]]] = {}
+        self._handles: dict[tuple[int, int], tuple[Any, set[str], Path]] = {}
 
     @property
     def world_size(self) -> int:
@@ -504,14 +504,14 @@ class TraceReader:
                                         rank=rank, step=step, tensor=key)
         return e
 
-    def _open(self, step: int, rank: int, key: str) -> tuple[Any, set[str]]:
-        """An open safetensors handle of a rank's step file and its keys, kept for the next
-        loads (the file is checked once, the header parsed once; a few handles are kept)."""
+    def _open(self, step: int, rank: int, key: str) -> tuple[Any, set[str], Path]:
+        """An open safetensors handle of a rank's step file, its keys and its path, kept for the
+        next loads (the file is checked once, the header parsed once; a few handles are kept)."""
         if (step, rank) not in self._handles:
             path = self._tensor_file(step, rank, key)
             try:
                 f = safe_open(path, framework="pt")
-                handle = (f, set(f.keys()))
+                handle = (f, set(f.keys()), path)
             except (SafetensorError, OSError) as exc:
                 raise self._corrupt(path, rank, step, key, exc) from exc
             if len(self._handles) >= MAX_OPEN_FILES:
@@ -547,8 +547,7 @@ class TraceReader:
     def load(self, step: int, rank: int, key: str) -> torch.Tensor:
         """Load one tensor (lazily: only that tensor is read), checked against its entry."""
         entry = self.entry(step, rank, key)
-        f, keys = self._open(step, rank, key)
-        path = tensor_path(self.root, step, rank)
+        f, keys, path = self._open(step, rank, key)
         if key not in keys:
             raise ManifestMismatchError("the manifest lists this tensor but the file lacks it",
                                         path=path, rank=rank, step=step, tensor=key)
