@@ -28,6 +28,19 @@ def test_layout_errors_name_the_problem(bad, match):
         Layout.parse(bad)
 
 
+@pytest.mark.parametrize("argv, match", [
+    (["--layout", "tp2.cp1.dp1+zz"], "unknown feature"),
+    ([], "name a candidate --layout"),
+    (["--bug", "cp_ring_backward_stale_kv", "--layout", "tp2.cp1.dp1+sp"], "runs on layout tp1.cp2.dp1"),
+])
+def test_command_line_rejects_bad_arguments_before_launching(argv, match, capsys):
+    from examples.torch_parallel.run import main
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert match in capsys.readouterr().err
+
+
 def test_every_bug_runs_on_a_parseable_layout_with_its_feature():
     for b in BUGS.values():
         lay = Layout.parse(b.needs["layout"])

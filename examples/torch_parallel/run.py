@@ -2,6 +2,11 @@
 
     run_gloo(trace_worker, world, [job, ...])
 
+Command line (one reference with its noise samples, one candidate, the comparison):
+
+    python -m examples.torch_parallel.run --layout tp2.cp2.dp1+sp [--bug NAME] [--dtype bf16]
+                                          [--seed 0] [--steps 3] [--noise-samples 4] [--out DIR]
+
 A job is a dict ``{"layout": "tp2.cp2.dp1+sp", "dtype": "bf16", "seed": 0, "steps": 3,
 "root": DIR, "bug": None, "noise_samples": 0, "noise_split": 1}``; every job of one launch has
 ``Layout.parse(layout).world`` equal to the launch's world size. A reference is a job whose
@@ -12,8 +17,11 @@ loss shares of its microbatches per step, a diagnostic).
 """
 from __future__ import annotations
 
+import argparse
+import sys
 import time
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,7 +31,7 @@ from examples.torch_parallel.train import Run, tracer_for
 from tracer.reference import NoiseSampler
 from tracer.store import TraceWriter
 
-__all__ = ["reference_noise", "signature", "trace_worker", "trace_job"]
+__all__ = ["main", "reference_noise", "signature", "trace_worker", "trace_job"]
 
 
 def signature(layout: Layout, dtype: str, seed: int) -> str:
@@ -83,3 +91,54 @@ def trace_job(job: dict[str, Any]) -> dict[str, Any]:
 def trace_worker(rank: int, world: int, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """gloo worker: every job in order (each job builds its own process groups)."""
     return [trace_job(j) for j in jobs]
+
+
+def _parse(ap: argparse.ArgumentParser, name: str) -> Layout:
+    try:
+        return Layout.parse(name)
+    except ValueError as exc:
+        ap.error(str(exc))  # exits (status 2)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Trace the single-device reference (with noise samples) and the candidate ``--layout``
+    (with ``--bug`` injected, if given), compare them and print the verdict. Exit status 0
+    consistent, 1 divergent."""
+    from examples.gloo import run_gloo
+    from examples.torch_parallel.bugs import BUGS
+    from tracer.check import compare
+    from tracer.report import summary
+    ap = argparse.ArgumentParser(prog="python -m examples.torch_parallel.run", description=main.__doc__)
+    ap.add_argument("--layout", help="candidate layout, e.g. tp2.cp2.dp1+sp, tp1.cp1.dp2+fp8 (default with "
+                                     "--bug: the layout the bug declares)")
+    ap.add_argument("--bug", choices=sorted(BUGS), metavar="NAME",
+                    help="inject this bug into the candidate: " + ", ".join(sorted(BUGS)))
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--noise-samples", type=int, default=4, help="reference noise samples (default 4)")
+    ap.add_argument("--out", type=Path, default=Path("out/torch_parallel"), help="trace directory")
+    a = ap.parse_args(argv)
+    needed = BUGS[a.bug].needs["layout"] if a.bug else None
+    if a.layout is None and needed is None:
+        ap.error("name a candidate --layout (or a --bug, which brings its own)")
+    if a.layout is not None and needed is not None and Layout.parse(needed) != _parse(ap, a.layout):
+        ap.error(f"bug {a.bug} runs on layout {needed} (its declared needs), not {a.layout}: drop --layout "
+                 "or pass that one")
+    layout = _parse(ap, a.layout or needed)
+    job = {"dtype": a.dtype, "seed": a.seed, "steps": a.steps}
+    ref, cand = a.out / "reference", a.out / ("bug_" + a.bug if a.bug else "candidate")
+    print(f"tracing the reference ({layout.reference().name}, {a.noise_samples} noise samples) -> {ref}",
+          flush=True)
+    run_gloo(trace_worker, 1, [{**job, "layout": layout.reference().name, "root": str(ref),
+                                "noise_samples": a.noise_samples, "noise_split": layout.tp}])
+    print(f"tracing the candidate ({layout.name}{', bug ' + a.bug if a.bug else ''}, world {layout.world}) "
+          f"-> {cand}", flush=True)
+    run_gloo(trace_worker, layout.world, [{**job, "layout": layout.name, "root": str(cand), "bug": a.bug}])
+    c = compare(ref, cand)
+    print(summary(c))
+    return 0 if c.first is None else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
