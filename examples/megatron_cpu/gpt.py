@@ -23,12 +23,15 @@ grad norms are comparable across layouts (fp32: they agree to ~1e-6 relative):
 """
 from __future__ import annotations
 
+import contextlib
 import time
 import zlib
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from examples.gloo import released_groups
 
 __all__ = ["DEFAULT_MODEL", "build_and_train", "layout_name"]
 
@@ -173,8 +176,10 @@ def build_and_train(layout: dict, steps: int = 3, seed: int = 1234, dtype: str =
     t0 = time.perf_counter()
     undo_bug = traced = None
     ps.destroy_model_parallel()
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    groups = contextlib.ExitStack()  # megatron's process groups end with this run
+    groups.enter_context(released_groups())
     try:
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         cfg_kw = {
@@ -296,3 +301,4 @@ def build_and_train(layout: dict, steps: int = 3, seed: int = 1234, dtype: str =
         if undo_bug is not None:
             undo_bug()
         ps.destroy_model_parallel()
+        groups.close()

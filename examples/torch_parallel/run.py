@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from examples.gloo import released_groups
 from examples.torch_parallel.layout import Layout
 from examples.torch_parallel.train import Run, tracer_for
 from tracer.reference import NoiseSampler
@@ -61,31 +62,32 @@ def trace_job(job: dict[str, Any]) -> dict[str, Any]:
     """Run and trace one job on this rank (see the module docstring)."""
     from examples.torch_parallel.bugs import BUGS
     t0 = time.perf_counter()
-    layout = Layout.parse(job["layout"])
-    run = Run(layout, job["dtype"], seed=job.get("seed", 0))
-    sig = signature(layout, job["dtype"], job.get("seed", 0))
-    lay = {"layout": layout.name, "dtype": job["dtype"]}
-    writer = TraceWriter(job["root"], run.groups.rank, layout.world, lay, sig)
-    tr = tracer_for(run, writer)
-    undo = BUGS.inject(job["bug"], run) if job.get("bug") else None
-    losses = []
-    try:
-        samples = int(job.get("noise_samples", 0))
-        sampler = None
-        if samples and layout.world == 1:
-            sampler = NoiseSampler(run.model, run.opt, job["root"], layout=lay, signature=sig, samples=samples,
-                                   seed=job.get("seed", 0),
-                                   **reference_noise(int(job.get("noise_split", 1)), job["dtype"], layout))
-        for step in range(job["steps"]):
-            if sampler:
-                losses.append(sampler.step(step, partial(run.train_step, step, tr)))
-            else:
-                losses.append(run.train_step(step, tr))
-    finally:
-        tr.remove()
-        if undo:
-            undo()
-    return {"root": job["root"], "losses": losses, "wall_s": time.perf_counter() - t0}
+    with released_groups():  # the job's process groups end with it (their gloo threads too)
+        layout = Layout.parse(job["layout"])
+        run = Run(layout, job["dtype"], seed=job.get("seed", 0))
+        sig = signature(layout, job["dtype"], job.get("seed", 0))
+        lay = {"layout": layout.name, "dtype": job["dtype"]}
+        writer = TraceWriter(job["root"], run.groups.rank, layout.world, lay, sig)
+        tr = tracer_for(run, writer)
+        undo = BUGS.inject(job["bug"], run) if job.get("bug") else None
+        losses = []
+        try:
+            samples = int(job.get("noise_samples", 0))
+            sampler = None
+            if samples and layout.world == 1:
+                sampler = NoiseSampler(run.model, run.opt, job["root"], layout=lay, signature=sig, samples=samples,
+                                       seed=job.get("seed", 0),
+                                       **reference_noise(int(job.get("noise_split", 1)), job["dtype"], layout))
+            for step in range(job["steps"]):
+                if sampler:
+                    losses.append(sampler.step(step, partial(run.train_step, step, tr)))
+                else:
+                    losses.append(run.train_step(step, tr))
+        finally:
+            tr.remove()
+            if undo:
+                undo()
+        return {"root": job["root"], "losses": losses, "wall_s": time.perf_counter() - t0}
 
 
 def trace_worker(rank: int, world: int, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
