@@ -125,6 +125,7 @@ from fractions import Fraction
 
 import torch
 
+from ..cpu_kernels import warn_if_unmodelled
 from ..formats import FloatFormat, half_ulp
 from ..rounding import round_to
 from .base import Bound, Explanation
@@ -222,9 +223,11 @@ CORRECTLY_ROUNDED = LibraryErrors("correctly_rounded", erf_abs=0.5, tanh_abs=0.5
 
 
 def resolve_library(library: LibraryErrors | str | None, compute: FloatFormat) -> LibraryErrors:
-    """Default: :data:`TORCH_CPU` when computing in fp32, else :data:`CORRECTLY_ROUNDED`."""
+    """Default: :data:`TORCH_CPU` when computing in fp32, else :data:`CORRECTLY_ROUNDED`.
+    :data:`TORCH_CPU` warns once where torch runs CPU kernels it was not measured on
+    (:mod:`ttrace_num.cpu_kernels`)."""
     if library is None:
-        return TORCH_CPU if compute == FP32 else CORRECTLY_ROUNDED
+        library = TORCH_CPU if compute == FP32 else CORRECTLY_ROUNDED
     if isinstance(library, str):
         table = {"torch_cpu": TORCH_CPU, "correctly_rounded": CORRECTLY_ROUNDED}
         if library not in table:
@@ -233,6 +236,8 @@ def resolve_library(library: LibraryErrors | str | None, compute: FloatFormat) -
     if library.fmt is not None and library.fmt != compute:
         raise ValueError(f"library errors {library.name!r} were measured for {library.fmt}, not {compute}; "
                          "pass library='correctly_rounded' or your own LibraryErrors")
+    if library is TORCH_CPU:
+        warn_if_unmodelled()
     return library
 
 

@@ -435,6 +435,16 @@ def _prec_mode(inputs: tuple[torch.Tensor, ...], fmt, compute_fmt, out_fmt, mode
     return prec, ms, summation if summation is not None else Summation(accum=prec.compute)
 
 
+def _normalized_size(x: torch.Tensor, normalized_shape) -> tuple[tuple[int, ...], int]:
+    """``(normalized_shape, n)`` of a norm over the trailing dims (default: the last), ``n``
+    the number of elements each row normalises."""
+    if normalized_shape is None:
+        normalized_shape = (x.shape[-1],)
+    if isinstance(normalized_shape, int):
+        normalized_shape = (normalized_shape,)
+    return tuple(normalized_shape), math.prod(normalized_shape)
+
+
 @register("softmax_backward")
 def softmax_backward(y: torch.Tensor, g: torch.Tensor, dim: int = -1, *, summation: Summation | None = None,
                      fmt=None, compute_fmt=None, out_fmt=None, mode: str = "deterministic",
@@ -725,11 +735,7 @@ def layer_norm_backward(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor |
         stats_fmt: format of the saved mean/rstd and of ``grad_weight``/``grad_bias`` (default:
             fp32 for an fp32 weight with bf16/fp16 input, else the input's).
     """
-    if normalized_shape is None:
-        normalized_shape = (x.shape[-1],)
-    if isinstance(normalized_shape, int):
-        normalized_shape = (normalized_shape,)
-    n = math.prod(normalized_shape)
+    normalized_shape, n = _normalized_size(x, normalized_shape)
     prec, ms, summ = _prec_mode((x,), fmt, compute_fmt, out_fmt, mode, failure_probability, summation)
     c, s = prec.compute, prec.storage
     st = _stats_fmt(prec, weight, stats_fmt)
@@ -836,11 +842,7 @@ def rms_norm_backward(g: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | N
     torch's default ``finfo(compute format).eps``. ``summation``: the forward's mean of squares
     and the backward's row sum; ``param_summation``: the row sum of ``grad_weight`` (default
     recursive in ``c``); ``library``: the ``rsqrt`` accuracy (:class:`.activations.LibraryErrors`)."""
-    if normalized_shape is None:
-        normalized_shape = (x.shape[-1],)
-    if isinstance(normalized_shape, int):
-        normalized_shape = (normalized_shape,)
-    n = math.prod(normalized_shape)
+    normalized_shape, n = _normalized_size(x, normalized_shape)
     prec, ms, summ = _prec_mode((x,), fmt, compute_fmt, out_fmt, mode, failure_probability, summation)
     c, s = prec.compute, prec.storage
     u = c.u

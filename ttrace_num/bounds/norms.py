@@ -632,6 +632,18 @@ def _rows(x: torch.Tensor, normalized_shape) -> tuple[torch.Tensor, int]:
     return f64(x).reshape(-1, n), n
 
 
+def _normalized_last(x: torch.Tensor, normalized_shape, dim: int
+                     ) -> tuple[torch.Tensor, tuple[int, ...], int | None]:
+    """``(x, normalized_shape, back)``: without ``normalized_shape``, the norm runs over ``dim``,
+    moved last (``back`` = ``dim``, for :func:`_finish` to move it back; None when already last)."""
+    if normalized_shape is not None:
+        return x, normalized_shape, None
+    back = None
+    if dim not in (-1, x.dim() - 1):
+        x, back = x.movedim(dim, -1), dim
+    return x, (x.shape[-1],), back
+
+
 def _flat(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
     return None if t is None else t.reshape(n)
 
@@ -660,11 +672,7 @@ def layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int] | None = N
         layout: vector geometry of ``torch_cpu`` (default: the running build's).
         summation: sums of ``two_pass`` (default recursive in the compute format).
     """
-    back = None
-    if normalized_shape is None:
-        if dim not in (-1, x.dim() - 1):
-            x, back = x.movedim(dim, -1), dim
-        normalized_shape = (x.shape[-1],)
+    x, normalized_shape, back = _normalized_last(x, normalized_shape, dim)
     prec = resolve_precision((x,), fmt, compute_fmt, out_fmt)
     ms = resolve_mode(mode, failure_probability)
     c = prec.compute
@@ -720,11 +728,7 @@ def rms_norm(x: torch.Tensor, normalized_shape: int | Sequence[int] | None = Non
     squares, ``"torch_cpu"`` (default: ATen's cascade, :func:`torch_cpu_sum`, with the
     ``layout``'s lanes) or a :class:`~ttrace_num.bounds.summation.Summation`. See the module
     docstring."""
-    back = None
-    if normalized_shape is None:
-        if dim not in (-1, x.dim() - 1):
-            x, back = x.movedim(dim, -1), dim
-        normalized_shape = (x.shape[-1],)
+    x, normalized_shape, back = _normalized_last(x, normalized_shape, dim)
     prec = resolve_precision((x,), fmt, compute_fmt, out_fmt)
     ms = resolve_mode(mode, failure_probability)
     c = prec.compute
