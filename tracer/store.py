@@ -166,12 +166,14 @@ def _fsync_dir(path: Path) -> None:
 def _write_json_atomic(path: Path, obj: Any) -> None:
     """Write JSON to a temp file in ``path``'s directory, fsync, ``os.replace``.
 
+    Compact, through ``json.dumps`` (C encoder): ``json.dump`` with an indent runs the
+    pure-Python encoder, which was ~40% of the stats-only tracer's per-step overhead.
     Raises OSError with no temp file left behind.
     """
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1, allow_nan=False)
+            f.write(json.dumps(obj, allow_nan=False, separators=(",", ":")))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
