@@ -29,7 +29,7 @@ __all__ = ["MODELLED_ENV", "runs_modelled_kernels", "warn_if_unmodelled"]
 #: Environment under which torch dispatches the CPU kernels the models describe.
 MODELLED_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
-_warned = False
+_checked = False
 
 
 def _cpu_has_avx512() -> bool:
@@ -47,11 +47,15 @@ def runs_modelled_kernels() -> bool:
 
 
 def warn_if_unmodelled() -> None:
-    """Warn once per process when a torch-CPU kernel model is used on kernels it does not describe."""
-    global _warned
-    if _warned or runs_modelled_kernels():
+    """Warn once per process when a torch-CPU kernel model is used on kernels it does not
+    describe. The dispatch is fixed once torch is loaded, so it is checked once: every bound
+    that uses :data:`~ttrace_num.bounds.activations.TORCH_CPU` calls this."""
+    global _checked
+    if _checked:
         return
-    _warned = True
+    _checked = True
+    if runs_modelled_kernels():
+        return
     env = " ".join(f"{k}={v}" for k, v in MODELLED_ENV.items())
     warnings.warn(f"torch dispatches AVX512 CPU kernels here ({torch.backends.cpu.get_cpu_capability()}); "
                   "ttrace_num's torch-CPU kernel models were measured on the AVX2 kernels and can be "

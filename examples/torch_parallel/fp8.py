@@ -315,7 +315,7 @@ class Fp8LinearFunction(torch.autograd.Function):
             s_x, s_inv_x = meta.scale_of("x")
             q_x = fp8_cast(x, s_x, FORMATS["x"])
             q_w, s_inv_w = _weight_fp8(weight, meta, cache, is_first_microbatch)
-            q_full = all_gather_seq(q_x, sp_group) if sp_group is not None else q_x
+            q_full = all_gather_seq(q_x, sp_group)  # identity for sp_group=None
             xq = fp8_dequantize(q_full, s_inv_x)
             wq = fp8_dequantize(q_w, s_inv_w)
         y = torch.matmul(xq, wq.t()).to(x.dtype)  # the GEMM: visible to torch-function modes

@@ -88,8 +88,9 @@ def _reduce_scatter(t: torch.Tensor, group: Any) -> torch.Tensor:
 
 def _all_gather_backward(grad: torch.Tensor, group: Any) -> torch.Tensor:
     """Gradient of the EP all-gather w.r.t. this rank's input. Every rank consumes the gathered
-    tensor, so d(sum_r L_r)/d x_me = sum_r (dL_r/d gathered)[my block]: a reduce-scatter. Patch point (B17-like bug: return ``grad``'s own block without the sum,
-    i.e. treat a Partial gradient as Replicate)."""
+    tensor, so d(sum_r L_r)/d x_me = sum_r (dL_r/d gathered)[my block]: a reduce-scatter.
+    Patch point (B17-like bug: return ``grad``'s own block without the sum, i.e. treat a
+    Partial gradient as Replicate)."""
     return _reduce_scatter(grad, group)
 
 

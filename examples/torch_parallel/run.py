@@ -124,10 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     needed = BUGS[a.bug].needs["layout"] if a.bug else None
     if a.layout is None and needed is None:
         ap.error("name a candidate --layout (or a --bug, which brings its own)")
-    if a.layout is not None and needed is not None and Layout.parse(needed) != _parse(ap, a.layout):
+    layout = _parse(ap, a.layout or needed)
+    if needed is not None and layout != Layout.parse(needed):
         ap.error(f"bug {a.bug} runs on layout {needed} (its declared needs), not {a.layout}: drop --layout "
                  "or pass that one")
-    layout = _parse(ap, a.layout or needed)
     job = {"dtype": a.dtype, "seed": a.seed, "steps": a.steps}
     ref, cand = a.out / "reference", a.out / ("bug_" + a.bug if a.bug else "candidate")
     print(f"tracing the reference ({layout.reference().name}, {a.noise_samples} noise samples) -> {ref}",
