@@ -279,3 +279,13 @@ def test_deferred_copies_equal_eager_ones(tmp_path, device):
     assert all(torch.equal(eager[k], deferred[k]) for k in eager)
     pre_relu = [v for (s, k), v in eager.items() if k.startswith("fwd/0.output/")]
     assert pre_relu and all((v < 0).any() for v in pre_relu)  # copied before the in-place ReLU
+
+
+def test_module_meta_reaches_the_records_of_matching_modules(tmp_path):
+    model = _mlp()
+    tracer = Tracer(model, _writer(tmp_path), capture=("fwd_out", "bwd_out"), module_meta={"2": {"topk": {"k": 1}}})
+    _train(model, _inputs((5, 4), torch.float32, requires_grad=True), torch.optim.SGD, steps=1, tracer=tracer)
+    tracer.remove()
+    entries = TraceReader(tmp_path).entries(0, 0)
+    tagged = sorted((e["phase"], e["name"]) for e in entries if "topk" in e["meta"])
+    assert tagged == [("bwd", "2.output_grad"), ("fwd", "2.output")]

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from tracer.canonical import Placement, assemble, shard
+from tracer.decisions import TOPK_META, choice_changes, without_choices
 from tracer.errors import IncomparableRunsError, TraceError
 from tracer.store import TraceReader
 from tracer.thresholds import DEFAULT_FALSE_ALARM, noise_threshold, unmodelled_threshold
@@ -228,6 +229,35 @@ def _storage_rounding_excess(phase: str, dtype: torch.dtype, ref: torch.Tensor):
     return lambda x: ((x - ref).abs() - 2 * half_ulp(torch.maximum(x.abs(), ref.abs()), fmt)).clamp_min(0.0)
 
 
+def _check_routed(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, cand_t: torch.Tensor,
+                  notes: list[str], noisy: list[torch.Tensor], false_alarm: float,
+                  cand_entries: dict[int, dict[str, Any]],
+                  changed: dict[tuple[int, str, int, int], torch.Tensor]) -> TensorCheck:
+    """:func:`_check_one` with top-k choices (:mod:`tracer.decisions`): the gradient of a
+    module's scores leaves out the tokens ``changed`` records for that call of the module;
+    its scores, when within threshold, record which tokens' choices differ."""
+    decision = (step, str(ref_e["meta"].get("module", "")), key[2], key[3])
+    left_out = changed.get(decision) if key[0] == "bwd" else None
+    if left_out is None or not _fits(left_out, ref_t) or cand_t.shape != ref_t.shape:
+        row = _check_one(step, key, ref_e, ref_t, cand_t, notes, noisy, false_alarm, cand_entries)
+        topk = ref_e["meta"].get(TOPK_META)
+        if topk and key[0] == "fwd" and row.status == "ok" and noisy:
+            mask, note = choice_changes(ref_t, cand_t, noisy, topk["k"], topk["dim"])
+            if note:
+                changed[decision], row.note = mask, "; ".join(x for x in (row.note, note) if x)
+        return row
+    row = _check_one(step, key, ref_e, without_choices(ref_t, left_out), without_choices(cand_t, left_out), notes,
+                     [without_choices(n, left_out) for n in noisy], false_alarm, cand_entries)
+    row.note = "; ".join(x for x in (row.note, f"{int(left_out.sum())} token(s) left out: their top-k choice "
+                                               "legitimately differs (tracer.decisions)") if x)
+    return row
+
+
+def _fits(mask: torch.Tensor, t: torch.Tensor) -> bool:
+    """Does a token mask of a module's scores broadcast to ``t`` (one of its gradients)?"""
+    return mask.dim() == t.dim() and all(m in (1, n) for m, n in zip(mask.shape, t.shape))
+
+
 def _stats_norm(entries: dict[int, dict[str, Any]]) -> float | None:
     """Norm of the full tensor from the shards' stored norms: shards of a split add in
     squares, replicas count once; None when a level is a pending sum (partial) or a norm
@@ -338,6 +368,7 @@ def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str
     per_tensor = false_alarm / max(len(plan), 1)  # Bonferroni: family-wise over the comparison
     bar = _progress(len(plan), progress)
     rows = []
+    changed: dict[tuple[int, str, int, int], torch.Tensor] = {}  # top-k choices that differ, per module call
     for s, k, ref_e, cand_entries, noise_es in plan:
         ref_t = ref.load(s, 0, ref_e["key"])
         noisy = [n.load(s, 0, e["key"]) for n, e in zip(noisy_readers, noise_es) if e is not None]
@@ -347,7 +378,7 @@ def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str
             rows.append(_check_stats(s, k, ref_e, ref_t, cand_entries, noisy, per_tensor))
         else:
             cand_t, notes = _full(cand, s, cand_entries, k[1])
-            rows.append(_check_one(s, k, ref_e, ref_t, cand_t, notes, noisy, per_tensor, cand_entries))
+            rows.append(_check_routed(s, k, ref_e, ref_t, cand_t, notes, noisy, per_tensor, cand_entries, changed))
         if bar is not None:
             bar.update(1)
     if bar is not None:

@@ -116,6 +116,9 @@ class Tracer:
     activation gradients (``bwd``) are stored multiplied by it (a copy; e.g. ``1/dp`` for
     Megatron, whose per-rank loss is ``dp`` times its share of the global mean). ``defer``: clone tensors on their device in the hooks and hand
     them to the writer at :meth:`end_step` (``None``: only tensors not on the CPU).
+    ``module_meta``: ``fnmatch`` pattern on local module names -> extra meta for every record
+    of a matching module, read back by the checker (e.g. ``{"*.router.linear":
+    tracer.decisions.topk_meta(2)}``: that module's output scores a top-2 choice).
 
     Usage::
 
@@ -139,7 +142,8 @@ class Tracer:
                  exclude: Sequence[str] = (), capture: Sequence[str] = CAPTURES,
                  name_fn: Callable[[str], str] | None = None,
                  placement_fn: Callable[[str, str, torch.Tensor], dict[str, Any]] | None = None,
-                 defer: bool | None = None, grad_scale: float = 1.0) -> None:
+                 defer: bool | None = None, grad_scale: float = 1.0,
+                 module_meta: dict[str, dict[str, Any]] | None = None) -> None:
         unknown = set(capture) - set(CAPTURES)
         if unknown:
             raise ValueError(f"unknown capture kinds {sorted(unknown)}; choose from {CAPTURES}")
@@ -148,6 +152,7 @@ class Tracer:
         self.capture = frozenset(capture)
         self.name_fn = name_fn or (lambda name: name)
         self.placement_fn = placement_fn
+        self.module_meta = dict(module_meta or {})
         self.defer = defer
         self.grad_scale = float(grad_scale)
         self._step: int | None = None
@@ -245,6 +250,9 @@ class Tracer:
         meta = dict(meta or {})
         if local is not None:
             meta.setdefault("module", local)
+            for pattern, extra in self.module_meta.items():
+                if fnmatch.fnmatchcase(local, pattern):
+                    meta.update(extra)
         meta.setdefault("call", call)
         if placement is None and self.placement_fn is not None and local is not None:
             placement = self.placement_fn(local, name, tensor)

@@ -70,6 +70,8 @@ class DDPTracer:
             :class:`~tracer.hooks.Tracer`), of a parameter and its gradient by local name
             (default: replicated over DP), of the per-microbatch loss (default: none, one
             rank holds it), and the activation-gradient scale (default ``1/dp``).
+        module_meta: extra meta for the records of matching modules (as
+            :class:`~tracer.hooks.Tracer`; e.g. an MoE router's top-k, :mod:`tracer.decisions`).
     """
 
     def __init__(self, model: nn.Module, writer: TraceWriter, *, num_microbatches: int = 1,
@@ -78,7 +80,8 @@ class DDPTracer:
                  capture: Sequence[str] = ("fwd_in", "fwd_out", "bwd_out", "grad", "param"),
                  placement_fn: Callable[[str, str, torch.Tensor], dict[str, Any]] | None = None,
                  param_placement: Callable[[str], dict[str, Any]] | None = None,
-                 loss_placement: dict[str, Any] | None = None, grad_scale: float | None = None) -> None:
+                 loss_placement: dict[str, Any] | None = None, grad_scale: float | None = None,
+                 module_meta: dict[str, dict[str, Any]] | None = None) -> None:
         import torch.distributed as dist
         dist_on = dist.is_available() and dist.is_initialized()
         self.dp = int(dp if dp is not None else (dist.get_world_size() if dist_on else 1))
@@ -89,7 +92,8 @@ class DDPTracer:
         self.capture = set(capture)
         self.tracer = Tracer(self.module, writer, include=include, exclude=exclude,
                              capture=[c for c in capture if c in _MODULE_CAPTURES], placement_fn=placement_fn,
-                             grad_scale=1.0 / self.dp if grad_scale is None else grad_scale)
+                             grad_scale=1.0 / self.dp if grad_scale is None else grad_scale,
+                             module_meta=module_meta)
         self.params = {local: p for local, (_canon, p) in self.tracer.params.items()}
         placement = ddp_placement(self.dp_rank, self.dp)
         self.param_placement = param_placement or (lambda local: placement)

@@ -30,6 +30,7 @@ from examples.torch_parallel import comm
 from examples.torch_parallel.layout import Groups, Layout
 from examples.torch_parallel.model import ModelConfig, TinyLM, shard_tokens
 from tracer.canonical import Placement, ShardDim
+from tracer.decisions import topk_meta
 from tracer.pytorch import DDPTracer
 from tracer.store import TraceWriter
 
@@ -228,8 +229,9 @@ def loss_dims(layout: Layout, groups: Groups) -> list[ShardDim]:
 def tracer_for(run: Run, writer: TraceWriter) -> DDPTracer:
     """A :class:`~tracer.pytorch.DDPTracer` over ``run``'s model with the harness placements.
     Traced: every module's output and output gradient except the MoE router's (integer expert
-    indices; its linear's logits are traced), the losses, reduced gradients, updated
-    parameters and, with FP8, the scales (:meth:`Run.record_fp8_scales`)."""
+    indices; its linear's logits are traced, marked as the scores of a top-k choice for the
+    checker, :mod:`tracer.decisions`), the losses, reduced gradients, updated parameters and,
+    with FP8, the scales (:meth:`Run.record_fp8_scales`)."""
     lay, grp = run.layout, run.groups
     params = dict(run.model.named_parameters())
     return DDPTracer(run.model, writer, num_microbatches=run.n_local, dp_rank=grp.dp_rank, dp=lay.dp,
@@ -237,4 +239,5 @@ def tracer_for(run: Run, writer: TraceWriter) -> DDPTracer:
                      placement_fn=lambda local, name, t: module_placement(lay, grp, local, name, t),
                      param_placement=lambda local: param_placement(lay, grp, local, params[local]),
                      loss_placement=Placement(tuple(loss_dims(lay, grp))).to_dict(),
-                     grad_scale=1.0 / (lay.dp * lay.cp))
+                     grad_scale=1.0 / (lay.dp * lay.cp),
+                     module_meta={"*.moe.router.linear": topk_meta(run.cfg.topk)})

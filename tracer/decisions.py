@@ -1,0 +1,114 @@
+r"""Discrete decisions in a traced comparison: top-k routing.
+
+An MoE router scores every token against every expert and keeps the ``k`` best
+(``idx = topk(scores, k)``). The choice is a step function of the scores: where the
+reference's ``k``-th and ``(k+1)``-th scores of a token are closer than the legitimate
+difference between two runs, a *correct* candidate may pick the other expert. From then
+on that token's values are those of a different computation, not a rounding of the
+reference's, and no round-off threshold covers them. The most visible case is the
+gradient of the scores themselves: ``d loss / d scores[t]`` of a token is non-zero on
+exactly its chosen experts, so a changed choice moves whole entries of that row (measured
+on the plain-PyTorch MoE harness: a top-2 change at a score gap of 0.005 moved the row by
+3e-3, 30x more than any other row moved, and put the tensor at 1.13x its threshold).
+
+What the checker does (:func:`tracer.check.compare`), for a module whose records carry the
+meta :func:`topk_meta` (``{"topk": {"k": k, "dim": d}}``, set by the tracer's
+``module_meta``):
+
+1. its forward output (the scores) is checked like any tensor. If it is within its
+   threshold, the tokens whose top-k *set* differs from the reference's
+   (:func:`changed_choices`) in the candidate or in any noise sample are *changed
+   choices*: a difference within the threshold flipped them, so the flip is legitimate.
+   (A flip needs the reference's gap to be at most the two scores' difference, so these are
+   near-ties by construction.) The scores' row notes how many, and their gaps.
+2. its output gradient is compared on the other tokens only: the changed tokens' slices
+   are zeroed in the reference, the candidate and every noise sample alike
+   (:func:`without_choices`), so the error and the threshold are both measured on tokens
+   whose choice agrees everywhere.
+
+A wrong top-k selection (a bug in the choice itself, not in the scores) is still caught:
+the changed choices are computed here from the recorded scores, so a candidate that routes
+differently from what its scores imply keeps those tokens in the gradient's comparison.
+Scores over their threshold mask nothing: the scores are then the divergence reported.
+
+Not covered: the tensors *downstream* of a changed choice in the same step (the MoE's
+output row of that token, the next layers, the experts' weight gradients, one token's
+contribution each) are compared as usual; a changed choice moves them by about the chosen
+experts' weight times the difference of their outputs, which the noise thresholds cover
+only when they sample such changes themselves.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+__all__ = ["TOPK_META", "changed_choices", "choice_changes", "gap_at", "topk_meta", "without_choices"]
+
+#: meta key of a record whose module's output scores a top-k choice
+TOPK_META = "topk"
+
+
+def topk_meta(k: int, dim: int = -1) -> dict[str, Any]:
+    """Meta for a module whose output scores a top-``k`` choice along ``dim`` (e.g. an MoE
+    router's gate linear: ``{"*.router.linear": topk_meta(2)}`` as the tracer's ``module_meta``)."""
+    if int(k) < 1:
+        raise ValueError(f"top-k needs k >= 1, got {k}")
+    return {TOPK_META: {"k": int(k), "dim": int(dim)}}
+
+
+def _chosen(scores: torch.Tensor, k: int, dim: int) -> torch.Tensor:
+    """Indices of the ``k`` largest scores along ``dim``, sorted (the chosen *set*)."""
+    return torch.topk(scores.double(), k, dim=dim).indices.sort(dim=dim).values
+
+
+def changed_choices(ref: torch.Tensor, other: torch.Tensor, k: int, dim: int = -1) -> torch.Tensor:
+    """Boolean mask over the tokens (every dim but ``dim``, kept with size 1) that is True
+    where the top-``k`` set of ``other`` differs from that of ``ref``."""
+    if ref.shape != other.shape:
+        raise ValueError(f"scores of shape {list(other.shape)} vs {list(ref.shape)} in the reference")
+    if not 1 <= k <= ref.shape[dim]:
+        raise ValueError(f"top-{k} over a dim of size {ref.shape[dim]}")
+    return (_chosen(ref, k, dim) != _chosen(other, k, dim)).any(dim=dim, keepdim=True)
+
+
+def gap_at(ref: torch.Tensor, changed: torch.Tensor, k: int, dim: int = -1) -> list[float]:
+    """The reference's gap between its ``k``-th and ``(k+1)``-th score at each changed token
+    (how near the tie was), in token order; empty when ``k`` is the whole dim."""
+    if k >= ref.shape[dim]:
+        return []
+    top = torch.topk(ref.double(), k + 1, dim=dim).values
+    gap = top.narrow(dim, k - 1, 1) - top.narrow(dim, k, 1)
+    return [float(g) for g in gap[changed]]
+
+
+def without_choices(t: torch.Tensor, changed: torch.Tensor) -> torch.Tensor:
+    """``t`` with the slices of the changed tokens zeroed (a copy); ``changed`` as returned by
+    :func:`changed_choices` for scores of ``t``'s shape."""
+    return t.masked_fill(changed.expand_as(t), 0)
+
+
+def choice_changes(ref: torch.Tensor, cand: torch.Tensor, noisy: list[torch.Tensor], k: int, dim: int = -1
+                   ) -> tuple[torch.Tensor, str]:
+    """The tokens whose top-``k`` choice differs from the reference's in the candidate or in
+    any noise sample (step 1 of the module docstring), and a note for the scores' row
+    (empty when none changed)."""
+    in_cand = changed_choices(ref, cand, k, dim)
+    in_noise = torch.zeros_like(in_cand)
+    for n in noisy:
+        in_noise |= changed_choices(ref, n, k, dim)
+    changed = in_cand | in_noise
+    if not bool(changed.any()):
+        return changed, ""
+    n_cand, n_noise = int(in_cand.sum()), int(in_noise.sum())
+    if n_cand:
+        where = in_cand.squeeze(dim).nonzero()
+        tokens = (where.flatten() if where.shape[1] == 1 else where).tolist()[:10]
+        gaps = ", ".join(f"{g:.3g}" for g in gap_at(ref, in_cand, k, dim)[:10])
+        cand_part = (f"the candidate's top-{k} choice differs on {n_cand} token(s) {tokens} (the reference's "
+                     f"gap between its top-{k} and the next score there: {gaps})")
+    else:
+        cand_part = f"the candidate's top-{k} choice is the reference's"
+    return changed, (f"{cand_part}; the noise samples' differs on {n_noise} token(s); the scores are within "
+                     f"threshold, so these near-ties are legitimate: {int(changed.sum())} token(s) are left "
+                     "out of this module's output gradient (tracer.decisions)")
