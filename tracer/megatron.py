@@ -49,7 +49,8 @@ from tracer.canonical import Placement, ShardDim, layer_offset, renumber
 from tracer.hooks import Tracer
 from tracer.store import TraceWriter
 
-__all__ = ["ACTIVATION_RULES", "MegatronTracer", "noise_policy", "parallel_layout", "reference_noise", "unwrap"]
+__all__ = ["ACTIVATION_RULES", "MegatronTracer", "injector_models", "noise_policy", "parallel_layout", "reference_noise",
+           "unwrap"]
 
 #: Role of each traced tensor of a module class -> how it is split over TP.
 #: Values: ``"seq"`` (dim 0 split over TP under sequence parallelism, else replicated),
@@ -358,13 +359,23 @@ def _megatron_functions() -> tuple[type, ...]:
     return (LinearWithGradAccumulationAndAsyncCommunication, _VocabParallelCrossEntropy)
 
 
+def injector_models(split: int, dtype: str) -> dict[str, Any]:
+    """:class:`~ttrace_num.propagate.noise.NoiseInjector` keywords for candidates whose
+    reductions are split over up to ``split`` ranks in ``dtype`` (``"bf16"``/``"fp32"``): the
+    GEMM policy (:func:`noise_policy`), the summation model of parameter-gradient sums over
+    tokens (split, partials in ``dtype``) and, in fp32, variance-matched noise for the fp32
+    sums (``variance_model``: an unsplit run vs a ``split``-way one,
+    :mod:`ttrace_num.bounds.summation_variance`). In bf16 the GEMM results are rounded to
+    bf16, whose one-ulp flips the variance model does not describe: bounds there."""
+    from ttrace_num.bounds.summation import Summation
+    model = Summation(split=max(split, 1), reduce_fmt=dtype)
+    return {"policy": noise_policy(split, dtype), "grad_summation": model,
+            "variance_model": model if dtype == "fp32" else None}
+
+
 def reference_noise(candidate_tp: int, dtype: str) -> dict[str, Any]:
     """Keyword arguments of :class:`tracer.reference.NoiseSampler` for a megatron-core
     reference compared against candidates with tensor parallelism up to ``candidate_tp`` in
-    ``dtype`` (``"bf16"``/``"fp32"``): the GEMM policy (:func:`noise_policy`), the summation
-    model of parameter-gradient sums over tokens (split over TP under sequence parallelism,
-    partials in ``dtype``), and megatron's autograd Functions whose backward computes."""
-    from ttrace_num.bounds.summation import Summation
-    return {"injector_kwargs": {"policy": noise_policy(candidate_tp, dtype),
-                                "grad_summation": Summation(split=candidate_tp, reduce_fmt=dtype)},
-            "custom_functions": _megatron_functions()}
+    ``dtype``: :func:`injector_models` and megatron's autograd Functions whose backward
+    computes."""
+    return {"injector_kwargs": injector_models(candidate_tp, dtype), "custom_functions": _megatron_functions()}

@@ -21,6 +21,18 @@ Statistic. Per tensor we compare Euclidean norms: the candidate's error
   Propagation is linear to first order, so the injected deviation of every tensor has at
   least the variance of a legitimate one, elementwise, with the same correlation
   structure.
+* Except for fp32 sums, where that margin is far too generous. An order-free fp32 GEMM bound
+  is 100-1000x the error a kernel commits (:mod:`ttrace_num.bounds.matmul`, "Tightness"),
+  and noise of that size made fp32 thresholds ~5e4x the smallest detectable corruption. In fp32 the
+  references therefore use variance-matched noise for the sums whose result is fp32
+  (``variance_model`` of :class:`~ttrace_num.propagate.noise.NoiseInjector`, from
+  :func:`tracer.megatron.injector_models`): GEMMs in forward and backward and
+  parameter-gradient sums get noise with the *variance* of the difference between an unsplit
+  and a split random-order fp32 run (:mod:`ttrace_num.bounds.summation_variance`). That is the
+  equal-variance case the factor ``F`` below is built for. The model is the largest of the
+  usual orders: this machine's split fp32 GEMMs differ by 0.13-0.7x its standard deviation,
+  and emulated random-order chains by 0.72-0.79x (``tests/test_summation_variance.py``).
+  Ops outside the model (norms, softmax, elementwise) keep their bound-sized noise.
 * The factor ``F``: under the conservative assumption that both have *equal* variance and
   are Gaussian with ``n_eff`` effective degrees of freedom, ``e^2 / mean_s ||d_s||^2``
   follows an ``F(n_eff, S n_eff)`` distribution; ``F = sqrt(F^{-1}(1 - q; n_eff, S n_eff))``

@@ -43,15 +43,12 @@ def signature(layout: Layout, dtype: str, seed: int) -> str:
 
 def reference_noise(split: int, dtype: str, layout: Layout) -> dict[str, Any]:
     """:class:`~tracer.reference.NoiseSampler` keywords for a reference compared with
-    candidates whose reductions are split over up to ``split`` ranks in ``dtype``: every
-    GEMM gets the difference bound of a ``split``-way split with a reduction in ``dtype``
-    (the policy megatron's reference uses, :func:`tracer.megatron.noise_policy`), the
-    parameter-gradient sums over tokens the same split model, and the FP8 GEMM's autograd
-    Function runs its backward under the injector."""
-    from tracer.megatron import noise_policy
-    from ttrace_num.bounds.summation import Summation
-    kw: dict[str, Any] = {"injector_kwargs": {"policy": noise_policy(split, dtype),
-                                              "grad_summation": Summation(split=max(split, 1), reduce_fmt=dtype)}}
+    candidates whose reductions are split over up to ``split`` ranks in ``dtype``: the models
+    megatron's reference uses (:func:`tracer.megatron.injector_models`: split GEMMs and
+    parameter-gradient sums, variance-matched fp32 sums), and with FP8 the FP8 GEMM's
+    autograd Function runs its backward under the injector."""
+    from tracer.megatron import injector_models
+    kw: dict[str, Any] = {"injector_kwargs": injector_models(split, dtype)}
     if layout.fp8:
         from examples.torch_parallel.fp8 import Fp8LinearFunction
         kw["custom_functions"] = (Fp8LinearFunction,)

@@ -33,6 +33,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import ttrace_num as tn
+from ..bounds.summation_variance import matmul_variance, sum_variance
 from ..formats import get_format, half_ulp
 from .calls import OpCall, classify
 from .local import LocalBounds, ModelPolicy
@@ -89,15 +90,22 @@ class NoiseInjector(TorchFunctionMode):
             ``tp`` ranks; None: the default model.
         calibration: a calibration (or its file) for the forward bounds of the ops it
             calibrates (:class:`~.local.LocalBounds`); the gradient bounds stay analytic.
+        variance_model: variance-matched noise for the sums whose result is fp32 (GEMMs in
+            forward and backward, parameter-gradient sums over tokens): instead of ``U * b``
+            from a bound, noise with the *variance* of the difference between an unsplit
+            random-order fp32 run and a run of this model (e.g. ``Summation(split=tp)``),
+            :mod:`ttrace_num.bounds.summation_variance`. ``None``: bounds everywhere.
     """
 
     def __init__(self, generator: torch.Generator, mode: str = "deterministic",
                  failure_probability: float | None = None, policy: ModelPolicy | None = None,
                  against_exact: bool = False, backward: bool = True, module_of: Callable[[], str] | None = None,
-                 calibration: "Calibration | str | None" = None, grad_summation: "Summation | None" = None):
+                 calibration: "Calibration | str | None" = None, grad_summation: "Summation | None" = None,
+                 variance_model: "Summation | None" = None):
         super().__init__()
         self.gen = generator
         self.grad_summation = grad_summation
+        self.variance_model = variance_model
         self.local = LocalBounds(mode, failure_probability, policy, against_exact, calibration)
         self.backward = backward
         self.module_of = module_of or (lambda: "")
@@ -106,6 +114,25 @@ class NoiseInjector(TorchFunctionMode):
     def _noise(self, b: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         u = torch.rand(shape, generator=self.gen, dtype=torch.float64) * 2 - 1
         return u * torch.broadcast_to(b, shape)
+
+    def _variance_noise(self, var_of: Callable[["Summation | None"], torch.Tensor], shape: torch.Size
+                        ) -> torch.Tensor:
+        """Uniform noise with the variance of the difference of an unsplit run and a run of
+        :attr:`variance_model`: ``U * sqrt(3 (V_plain + V_model))`` (``Var(U) = 1/3``)."""
+        return self._noise(torch.sqrt(3.0 * (var_of(None) + var_of(self.variance_model))), shape)
+
+    def _variance_applies(self, *tensors: torch.Tensor) -> bool:
+        return self.variance_model is not None and all(t.dtype == torch.float32 for t in tensors)
+
+    def _gemm_noise(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, shape: torch.Size,
+                    bound_scale: float) -> torch.Tensor:
+        """Noise of a GEMM result ``a @ b (+ bias)`` (fp32: :meth:`_variance_noise`; else
+        ``U * bound_scale * matmul bound``)."""
+        if self._variance_applies(a, b):
+            return self._variance_noise(lambda s: matmul_variance(a, b, bias, s).reshape(shape), shape)
+        kw = {"bias": bias} if bias is not None else {}
+        return self._noise(bound_scale * tn.tolerance("matmul", a, b, **self.local.common_kwargs(), **kw).abs
+                           .reshape(shape), shape)
 
     def _grad_rounding(self, g: torch.Tensor) -> torch.Tensor:
         b = half_ulp(g.detach().double().abs(), get_format(g.dtype))
@@ -120,18 +147,26 @@ class NoiseInjector(TorchFunctionMode):
             wt = w if call.op == "linear" else w.transpose(-1, -2)  # grad_x = g @ wt
 
             def gx(g):
-                return self._noise(scale * tn.tolerance("matmul", slot.g, wt, **common).abs, g.shape)
+                return self._gemm_noise(slot.g, wt, None, g.shape, scale)
 
             def gw(g):
                 go = slot.g.reshape(-1, slot.g.shape[-1])
                 xi = x.reshape(-1, x.shape[-1]).detach()
                 if call.op == "linear":  # grad_W = g^T x, shape (out, in)
-                    b = tn.tolerance("matmul", go.transpose(0, 1), xi, **common).abs
-                else:  # grad_B = A^T g, summed over batch dims
-                    b = tn.tolerance("matmul", x.detach().transpose(-1, -2), slot.g, **common).abs
-                    while b.dim() > g.dim():
-                        b = b.sum(0)
-                    b = torch.broadcast_to(b, g.shape) if b.shape != g.shape else b
+                    return self._gemm_noise(go.transpose(0, 1), xi, None, g.shape, scale)
+                xt = x.detach().transpose(-1, -2)  # grad_B = A^T g, summed over batch dims
+                if self._variance_applies(xt, slot.g):
+                    x64, g64 = xt.double(), slot.g.double()
+                    q, c = torch.matmul(x64 * x64, g64 * g64), torch.matmul(x64, g64)
+                    n = xt.shape[-1] * (q.numel() // max(g.numel(), 1))  # one sum over batch x K terms
+                    while q.dim() > g.dim():
+                        q, c = q.sum(0), c.sum(0)
+                    return self._variance_noise(lambda s: torch.broadcast_to(sum_variance(q, c, n, s), g.shape),
+                                                g.shape)
+                b = tn.tolerance("matmul", xt, slot.g, **common).abs
+                while b.dim() > g.dim():
+                    b = b.sum(0)
+                b = torch.broadcast_to(b, g.shape) if b.shape != g.shape else b
                 return self._noise(scale * b.reshape(g.shape), g.shape)
 
             fns: list = [gx, gw]
@@ -155,6 +190,10 @@ class NoiseInjector(TorchFunctionMode):
 
         def fn(g: torch.Tensor) -> torch.Tensor:
             t = terms().detach().to(dtype).reshape(-1, *shape)
+            if self._variance_applies(t):
+                t64 = t.double()
+                q, c = (t64 * t64).sum(0), t64.sum(0)
+                return self._variance_noise(lambda s: sum_variance(q, c, t.shape[0], s).reshape(g.shape), g.shape)
             return self._noise(scale * tn.tolerance("sum", t, dim=0, **kw).abs.reshape(g.shape), g.shape)
         return fn
 
@@ -202,8 +241,13 @@ class NoiseInjector(TorchFunctionMode):
                 args, kwargs = _wrap_norm_params(args, kwargs, self._norm_param_noise(call, slot))
             call = classify(func, args, kwargs)  # inputs are now the wrapped tensors
         out = func(*args, **kwargs)
-        b = self.local.of(call, out, self.module_of())
-        noisy = (out.detach().double() + self._noise(b, out.shape)).to(out.dtype)
+        if call.op in ("linear", "matmul") and self._variance_applies(out, *call.inputs[:2]):
+            a, w = call.inputs[0], call.inputs[1]
+            bias = call.inputs[2] if len(call.inputs) > 2 else None
+            noise = self._gemm_noise(a, w.transpose(-1, -2) if call.op == "linear" else w, bias, out.shape, 2.0)
+        else:
+            noise = self._noise(self.local.of(call, out, self.module_of()), out.shape)
+        noisy = (out.detach().double() + noise).to(out.dtype)
         self.perturbed += 1
         if out.requires_grad:
             # infinite entries (a -inf attention mask through a cast) stay as they are: inf - inf is NaN

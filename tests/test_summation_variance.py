@@ -1,0 +1,126 @@
+"""ttrace_num.bounds.summation_variance: identity (1) against exact enumeration, the model
+against emulated random-order fp32 chains (it must be neither unsafe nor loose), and against
+this machine's fp32 GEMMs split like tensor parallelism."""
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from ttrace_num.bounds.summation import Summation
+from ttrace_num.bounds.summation_variance import difference_std, matmul_variance, sum_variance
+
+VECTORS = {
+    "mixed": [0.3, -1.2, 2.0, 0.7, -0.4, 1.1],
+    "positive": [0.5, 1.5, 2.5, 0.25, 3.0, 1.0],
+    "cancelling": [1.0, -1.0, 2.0, -2.0, 0.5, -0.5],
+}
+
+
+def _exact_mean_sq_prefix(t: torch.Tensor) -> float:
+    """E over all n! orders of sum_j s_j^2, by enumeration (float64, exact enough)."""
+    perms = list(itertools.permutations(range(len(t))))
+    return sum(float((torch.cumsum(t[list(p)], 0) ** 2).sum()) for p in perms) / len(perms)
+
+
+@pytest.mark.parametrize("name", VECTORS)
+def test_identity_1_by_enumerating_every_order(name):
+    t = torch.tensor(VECTORS[name], dtype=torch.float64)
+    n, q, c = len(t), float((t * t).sum()), float(t.sum())
+    assert _exact_mean_sq_prefix(t) == pytest.approx((n + 1) * (q / 6 + c * c / 3), rel=1e-12)
+
+
+@pytest.mark.parametrize("name", VECTORS)
+def test_split_model_matches_enumeration(name):
+    """Two parts of 3 terms, each a chain, and the chain over the 2 partials: the model's
+    ``variance / (u^2/3)`` is the expected sum of squared partial sums over every order."""
+    t = torch.tensor(VECTORS[name], dtype=torch.float64)
+    perms = list(itertools.permutations(range(6)))
+    total = 0.0
+    for p in perms:
+        x = t[list(p)]
+        parts = [torch.cumsum(x[:3], 0), torch.cumsum(x[3:], 0)]
+        reduction = torch.cumsum(torch.stack([parts[0][-1], parts[1][-1]]), 0)
+        total += float(sum((s * s).sum() for s in parts) + (reduction * reduction).sum())
+    s = Summation(split=2)
+    model = sum_variance((t * t).sum(), t.sum(), 6, s)
+    assert float(model) / (s.accum.u ** 2 / 3) == pytest.approx(total / len(perms), rel=1e-12)
+
+
+def _fp32_chain_errors(rng: np.random.Generator, n: int, trials: int, positive: bool) -> tuple[float, float]:
+    """(rms error of a float32 left-to-right sum over random data and orders, rms of the model)."""
+    errs, model = [], []
+    for _ in range(trials):
+        x = rng.standard_normal(n)
+        if positive:
+            x = np.abs(x)
+        x32 = x.astype(np.float32)
+        exact = math.fsum(x32.astype(np.float64))
+        computed = np.cumsum(x32, dtype=np.float32)[-1]  # sequential in float32
+        errs.append(float(computed) - exact)
+        t = torch.from_numpy(x32.astype(np.float64))
+        model.append(float(sum_variance((t * t).sum(), t.sum(), n)))
+    return math.sqrt(np.mean(np.square(errs))), math.sqrt(np.mean(model))
+
+
+@pytest.mark.parametrize("n", [64, 1024])
+@pytest.mark.parametrize("positive", [False, True])
+def test_model_against_emulated_fp32_chains(n, positive):
+    """Round-to-nearest's relative error has variance between u^2/12 and u^2/3 (uniform model:
+    u^2/3), so the model's std should exceed the actual one by at most ~2x, and never fall
+    below it."""
+    actual, model = _fp32_chain_errors(np.random.default_rng(n + positive), n, 400, positive)
+    ratio = actual / model
+    print(f"n={n} positive={positive}: actual rms {actual:.3g}, model {model:.3g}, ratio {ratio:.2f}")
+    assert 0.35 <= ratio <= 1.0
+
+
+@pytest.mark.parametrize("m,k,n", [(64, 64, 64), (32, 1024, 32), (64, 4096, 16)])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_model_covers_split_fp32_gemms(m, k, n, tp):
+    """fp32 GEMM vs the same GEMM split over ``tp`` K-slices summed in fp32 (a row-parallel
+    linear): the rms difference stays below the model's, and within 20x of it (tightness)."""
+    g = torch.Generator().manual_seed(m + k + tp)
+    a, b = torch.randn(m, k, generator=g), torch.randn(k, n, generator=g)
+    split = sum(a[:, i * k // tp:(i + 1) * k // tp] @ b[i * k // tp:(i + 1) * k // tp] for i in range(tp))
+    d = ((a @ b).double() - split.double()).pow(2).mean().sqrt()
+    sd = difference_std(matmul_variance(a, b), matmul_variance(a, b, summation=Summation(split=tp))).pow(2).mean().sqrt()
+    ratio = float(d / sd)
+    print(f"{m}x{k}x{n} tp={tp}: rms difference / model std = {ratio:.3f}")
+    assert ratio <= 1.0
+    assert ratio >= 0.05 or float(d) == 0.0  # bitwise-equal splits happen (kernel blocking)
+
+
+def test_fp32_products_add_one_rounding_bf16_ones_none():
+    """bf16 x bf16 products are exact in fp32; fp32 x fp32 ones are counted as rounded once."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(8, 16, generator=g).bfloat16(), torch.randn(16, 4, generator=g).bfloat16()
+    q = (a.double() ** 2) @ (b.double() ** 2)
+    extra = matmul_variance(a.float(), b.float()) - matmul_variance(a, b)  # same values, fp32 dtype
+    assert torch.allclose(extra, (2.0 ** -24) ** 2 / 3 * q, rtol=1e-12, atol=0)
+
+
+def test_injector_gives_fp32_gemms_the_model_variance_and_leaves_bf16_alone():
+    import torch.nn.functional as F
+
+    from ttrace_num.propagate.noise import NoiseInjector
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(256, 128, generator=g), torch.randn(64, 128, generator=g)
+    clean, split = F.linear(x, w), Summation(split=2)
+
+    def deviation(inputs, **kw):
+        with NoiseInjector(torch.Generator().manual_seed(0), mode="probabilistic", backward=False, **kw):
+            y = F.linear(*inputs)
+        return (y.double() - F.linear(*inputs).double()).pow(2).mean()
+
+    model = (matmul_variance(x, w.t()) + matmul_variance(x, w.t(), summation=split)).mean()
+    matched, bound = deviation((x, w), variance_model=split), deviation((x, w))
+    print(f"fp32 linear K=128: noise variance / model {float(matched / model):.3f}; "
+          f"bound-sized noise / model {float(bound / model):.0f}")
+    assert 0.9 <= float(matched / model) <= 1.1
+    assert float(bound / model) > 100  # what the variance model replaces
+    xb, wb = x.bfloat16(), w.bfloat16()
+    assert float(deviation((xb, wb), variance_model=split)) == float(deviation((xb, wb)))

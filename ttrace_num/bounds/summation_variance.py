@@ -1,0 +1,110 @@
+r"""Expected rounding error of a sum evaluated in an unknown order: a variance, not a bound.
+
+The bounds of :mod:`.summation` hold for *any* order and with probability ``1 - p``; for fp32
+sums over random-sign data they are 100-1000x the error a kernel commits
+(:mod:`.matmul`, "Tightness"). A noise sample of a traced reference
+(:mod:`tracer.thresholds`) needs something else: noise whose *variance* is that of the
+legitimate difference between two runs, since its thresholds already carry the statistical
+factor. This module gives that variance.
+
+Model
+-----
+A recursive sum ``s_j = fl(s_{j-1} + t_{pi(j)})`` commits ``s_j delta_j`` at every addition,
+the ``delta_j`` independent, mean 0, ``|delta_j| <= u`` (the probabilistic model of Higham &
+Mary 2019), uniform on ``[-u, u]`` for round-to-nearest: variance ``u^2 / 3``. To first
+order ``err = sum_{j>=2} delta_j s_j``, so ``Var(err | order) = (u^2/3) sum_{j>=2} s_j^2``.
+
+The order of a kernel is unknown: take it uniformly random (exchangeable terms). With
+``Q = sum_i t_i^2`` and ``C = sum_i t_i`` over the ``n`` terms, a prefix of ``j`` terms drawn
+without replacement has ``E[s_j^2] = j^2 C^2/n^2 + j (n-j)/(n-1) (Q/n - C^2/n^2)``, and summing
+over ``j = 1..n`` (``sum j^2 = n(n+1)(2n+1)/6``, ``sum j(n-j) = n(n+1)(n-1)/6``)::
+
+    sum_j E[s_j^2] = (n + 1) (Q/6 + C^2/3)                                    (1)
+
+exactly (``tests/test_summation_variance.py`` enumerates every permutation). Hence, for one
+run of a sum of ``n`` terms split into ``k`` contiguous parts of ``m = ceil(n/k)`` terms,
+each a chain in format ``a`` (unit roundoff ``u_a``), the partials reduced by a chain in
+format ``r``:
+
+* the parts: ``(u_a^2/3) (m + 1) (Q/6 + k P/3)``, ``P = E[p_i^2] = m(n-m)/(n-1) (Q/n - C^2/n^2)
+  + m^2 C^2/n^2`` the mean square of a partial (``P = C^2`` for ``k = 1``, recovering (1));
+* the reduction (``k > 1``): (1) over the ``k`` partials, ``(u_r^2/3) (k + 1) (k P/6 + C^2/3)``,
+  plus ``(u_r^2/3) k P`` when the partials are rounded into ``r``;
+* products that are not exact in ``a`` (fp32 inputs accumulated in fp32 without FMA):
+  ``(u_a^2/3) Q``.
+
+The difference of two runs whose orders are unknown (nothing shared, roundings independent)
+has the sum of their variances (:func:`difference_std`).
+
+Why it is a safe variance for real kernels, and where it is not a bound: a blocked,
+vectorised or pairwise kernel adds into several shorter chains, whose partial sums are
+smaller than a single chain's, so its ``sum_j s_j^2`` is smaller than (1) in expectation. The
+recursive random-order chain is the largest of the usual orders (measured on this machine's
+fp32 GEMMs: the actual spread of a split-vs-unsplit difference is 0.1-0.5x of
+:func:`difference_std`, ``tests/test_summation_variance.py``). It is an *expected* value
+over orders and roundings: a particular order on particular data can exceed it, which is
+what the statistical factor of a threshold built on it is for. First order only (the
+``delta_i delta_j`` terms are ``O(n u^2)`` smaller); no underflow term (a variance of the
+subnormal absolute errors would be below fp32's ``2^-149``-scale and is ignored).
+The result is assumed to stay in the accumulation format (no output rounding term): use the
+bounds of :mod:`.summation` for a sum rounded to a narrower format.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..formats import FloatFormat
+from .summation import Summation, conversion_exact
+
+__all__ = ["difference_std", "matmul_variance", "sum_variance"]
+
+
+def _chain(q: torch.Tensor, c2: torch.Tensor, n: int) -> torch.Tensor:
+    """``(n + 1)(Q/6 + C^2/3)``: identity (1) of the module docstring."""
+    return (n + 1) * (q / 6.0 + c2 / 3.0)
+
+
+def sum_variance(sq_sum: torch.Tensor, total: torch.Tensor, n: int, summation: Summation | None = None,
+                 exact_products: bool = True) -> torch.Tensor:
+    """Variance of the rounding error of one run of an ``n``-term sum in a random order
+    (module docstring), elementwise from ``Q = sum t^2`` (``sq_sum``) and ``C = sum t``
+    (``total``), float64. ``summation``: accumulation format and split (the algorithm is
+    taken as a random-order chain whatever it says: the largest of the usual orders)."""
+    s = summation or Summation()
+    q, c2 = sq_sum.double(), total.double() ** 2
+    if n <= 1:
+        return torch.zeros_like(q)
+    k, m = s.parts(n), s.part_size(n)
+    ua2 = s.accum.u ** 2 / 3.0
+    p = m * (n - m) / (n - 1) * (q / n - c2 / n**2) + (m / n) ** 2 * c2  # E[p_i^2]
+    var = ua2 * (m + 1) * (q / 6.0 + k * p / 3.0)
+    if not exact_products:
+        var = var + ua2 * q
+    if k > 1:
+        rf: FloatFormat = s.reduce_fmt or s.accum
+        ur2 = rf.u ** 2 / 3.0
+        var = var + ur2 * _chain(k * p, c2, k)
+        if not conversion_exact(s.accum, rf):
+            var = var + ur2 * k * p
+    return var
+
+
+def matmul_variance(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
+                    summation: Summation | None = None) -> torch.Tensor:
+    """:func:`sum_variance` of every output of ``a @ b (+ bias)`` (the ``K`` products, then
+    the bias as one more term), with ``Q = (a*a) @ (b*b) (+ bias^2)`` and ``C = a @ b (+ bias)``
+    in float64. Products of fp32 inputs are counted as rounded (no FMA assumed)."""
+    a64, b64 = a.detach().double(), b.detach().double()
+    q, c = torch.matmul(a64 * a64, b64 * b64), torch.matmul(a64, b64)
+    n = a.shape[-1]
+    if bias is not None:
+        bias64 = bias.detach().double()
+        q, c, n = q + bias64 * bias64, c + bias64, n + 1
+    exact = a.dtype in (torch.bfloat16, torch.float16) and b.dtype in (torch.bfloat16, torch.float16)
+    return sum_variance(q, c, n, summation, exact_products=exact)
+
+
+def difference_std(*variances: torch.Tensor) -> torch.Tensor:
+    """Standard deviation of the difference of independent runs: ``sqrt(sum of variances)``."""
+    return torch.sqrt(sum(variances[1:], variances[0]))
+
