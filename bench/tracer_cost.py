@@ -180,8 +180,8 @@ PROFILE_PARTS = (
     ("assemble candidate shards (_full, incl. its loads)", "tracer/check.py", "_full"),
     ("canonical.assemble", "tracer/canonical.py", "assemble"),
     ("check one tensor (_check_one)", "tracer/check.py", "_check_one"),
-    ("noise_threshold (incl. F quantile)", "tracer/thresholds.py", "noise_threshold"),
-    ("F quantile (scipy f.ppf)", "tracer/thresholds.py", "_f_quantile"),
+    ("noise threshold (deviation_threshold, incl. F quantile)", "tracer/thresholds.py", "deviation_threshold"),
+    ("F quantile (scipy.special.fdtri)", "tracer/thresholds.py", "_f_quantile"),
     ("unmodelled_threshold", "tracer/thresholds.py", "unmodelled_threshold"),
     ("storage-rounding excess (bf16 params)", "tracer/check.py", "<lambda>"),
     ("worst ranks (_worst_ranks)", "tracer/check.py", "_worst_ranks"),
@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
         total, parts, top = prof
         md += [(f"\n### Where compare's time goes ({a.profile_model} model, cProfile, {total:.2f} s under the "
                 "profiler)\n\n"
-               "Cumulative times; the rows nest (`_check_one` contains `noise_threshold`, which contains "
+               "Cumulative times; the rows nest (`_check_one` contains `deviation_threshold`, which contains "
                "the F quantile; `_full` contains its loads).\n"),
                _table(["part", "cumulative s", "share", "calls"],
                       [[lbl, f"{c:.2f}", f"{c / total:.0%}", str(n)] for lbl, c, n in parts]),

@@ -35,7 +35,7 @@ from tracer.canonical import Placement, assemble, shard
 from tracer.decisions import TOPK_META, choice_changes, without_choices
 from tracer.errors import IncomparableRunsError, TraceError
 from tracer.store import TraceReader
-from tracer.thresholds import DEFAULT_FALSE_ALARM, noise_threshold, unmodelled_threshold
+from tracer.thresholds import DEFAULT_FALSE_ALARM, deviation_threshold, noise_threshold, unmodelled_threshold
 
 __all__ = ["Comparison", "TensorCheck", "assembled_records", "compare", "localise", "noise_dirs"]
 
@@ -177,28 +177,33 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
                            note=f"shape {list(cand_t.shape)} in the candidate vs {list(ref_t.shape)} in the "
                                 "reference (a wrong placement or a wrong computation)")
     r, c = ref_t.detach().double(), cand_t.detach().double()
-    ref_norm = float(torch.linalg.vector_norm(r[torch.isfinite(r)])) if r.numel() else 0.0
     rf, cf = torch.isfinite(r), torch.isfinite(c)
-    if not bool(torch.equal(rf, cf) and torch.equal(r[~rf].nan_to_num(1.0, 2.0, -2.0),
-                                                         c[~cf].nan_to_num(1.0, 2.0, -2.0))):
+    finite = bool(rf.all()) and bool(cf.all())  # the common case: no masking, no copies
+    ref_norm = float(torch.linalg.vector_norm(r if finite else r[rf])) if r.numel() else 0.0
+    if not finite and not bool(torch.equal(rf, cf) and torch.equal(r[~rf].nan_to_num(1.0, 2.0, -2.0),
+                                                                    c[~cf].nan_to_num(1.0, 2.0, -2.0))):
         bad = (~cf & rf).nonzero()
         where = f" first at index {bad[0].tolist()}" if len(bad) else ""
         return TensorCheck(**base, status="nonfinite", error=math.inf, threshold=0.0, ratio=math.inf,
                            max_abs=math.inf, ref_norm=ref_norm,
                            note=f"NaN/Inf pattern differs from the reference: {int((~cf).sum())} non-finite "
                                 f"in the candidate, {int((~rf).sum())} in the reference;{where}")
-    diff = (c - r).masked_fill(~rf, 0.0)
+
+    def finite_part(x: torch.Tensor) -> torch.Tensor:  # the reference's non-finite positions zeroed
+        return x if finite else x.masked_fill(~rf, 0.0)
+
+    rr = finite_part(r)
+    excess = _storage_rounding_excess(phase, ref_t.dtype, rr)
+    diff = finite_part(c) - rr
     max_abs = float(diff.abs().max()) if diff.numel() else 0.0
-    excess = _storage_rounding_excess(phase, ref_t.dtype, r.masked_fill(~rf, 0.0))
-    err_vec = excess(c.masked_fill(~rf, 0.0))
-    error = float(torch.linalg.vector_norm(err_vec)) if err_vec.numel() else 0.0
+    error = float(torch.linalg.vector_norm(diff if excess is None else excess(finite_part(c)))) if diff.numel() else 0.0
     if not noisy:
         return TensorCheck(**base, status="unchecked", error=error, threshold=math.nan, ratio=math.nan,
                            max_abs=max_abs, ref_norm=ref_norm, note="no noise sample traced this tensor")
-    zero = torch.zeros_like(r)
-    th = noise_threshold(zero, [excess(n.double().masked_fill(~rf, 0.0)) for n in noisy], false_alarm)
+    devs = [finite_part(n.detach().double()) for n in noisy]
+    th = deviation_threshold([d - rr if excess is None else excess(d) for d in devs], false_alarm)
     if th.threshold == 0.0 and ref_t.is_floating_point():
-        th = unmodelled_threshold(r.masked_fill(~rf, 0.0), ref_t.dtype)
+        th = unmodelled_threshold(rr, ref_t.dtype)
     ratio = error / th.threshold if th.threshold > 0 else (0.0 if error == 0 else math.inf)
     status = "over" if ratio > 1 else "ok"
     note = "; ".join(notes)
@@ -212,8 +217,9 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
 
 
 def _storage_rounding_excess(phase: str, dtype: torch.dtype, ref: torch.Tensor):
-    """``x -> |x - ref|`` elementwise, less one unit in the last place of the stored format
-    for parameters after the update (phase ``param``) stored in a format narrower than fp32.
+    """``x -> |x - ref|`` elementwise, less one unit in the last place of the stored format,
+    for parameters after the update (phase ``param``) stored in a format narrower than fp32;
+    ``None`` otherwise (the error is then ``|x - ref|`` itself).
 
     Such a parameter is the rounding of an fp32 main parameter; two runs whose main
     parameters differ legitimately by far less than an ulp of the stored format still store
@@ -223,7 +229,7 @@ def _storage_rounding_excess(phase: str, dtype: torch.dtype, ref: torch.Tensor):
     candidate's error and in the noise samples' deviations alike.
     """
     if phase != "param" or dtype not in (torch.bfloat16, torch.float16):
-        return lambda x: (x - ref).abs()
+        return None
     from ttrace_num.formats import get_format, half_ulp
     fmt = get_format(dtype)
     return lambda x: ((x - ref).abs() - 2 * half_ulp(torch.maximum(x.abs(), ref.abs()), fmt)).clamp_min(0.0)

@@ -30,7 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
@@ -48,7 +47,7 @@ SCHEMA_VERSION = 1
 MODES = ("full", "stats")
 KNOWN_PHASES = ("fwd", "bwd", "grad_local", "grad", "main_grad", "grad_norm", "param", "loss", "input", "optim")
 QUANTILES = (0.0, 0.01, 0.25, 0.5, 0.75, 0.99, 1.0)
-MAX_STAT_SAMPLES = 1 << 16
+MAX_STAT_SAMPLES = 1 << 12
 STATS_CHUNK = 1 << 22
 RUN_FILE = "run.json"
 MAX_OPEN_FILES = 64  # safetensors handles a TraceReader keeps open
@@ -99,6 +98,10 @@ def _jsonable(value: Any, what: str, name: str | None = None) -> Any:
                          f"float): {exc}", tensor=name) from exc
 
 
+#: dtypes whose finiteness test and float64-accumulated reductions torch computes in place
+_NATIVE_STATS_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+
+
 def tensor_stats(t: torch.Tensor, quantiles: tuple[float, ...] = QUANTILES,
                  max_samples: int = MAX_STAT_SAMPLES, chunk: int = STATS_CHUNK) -> dict[str, Any]:
     """Statistics of a tensor, JSON-safe (no NaN/Inf values in the result).
@@ -106,12 +109,13 @@ def tensor_stats(t: torch.Tensor, quantiles: tuple[float, ...] = QUANTILES,
     ``norm`` (L2), ``absmax``, ``mean`` and the quantiles are taken over the finite
     elements only, in float64; ``nan_count`` and ``inf_count`` count the others
     (complex tensors: over real and imaginary parts). ``norm``, ``absmax`` and
-    ``mean`` use all elements, processed ``chunk`` elements at a time so that the
-    float64 working copy stays small; the chunk norms are combined with the
-    overflow-safe ``math.hypot`` and the chunk sums with ``math.fsum``. The
-    quantiles use the finite values of a deterministic evenly strided subsample of
-    at most ``max_samples`` elements (``quantile_samples`` says how many), so they
-    are approximate on large tensors. Values are ``None`` when no element is finite.
+    ``mean`` use all elements, ``chunk`` elements at a time (reductions with a float64
+    accumulator; a masked float64 copy only for a chunk with NaN/Inf), the chunk norms
+    combined with the overflow-safe ``math.hypot`` and the chunk sums with ``math.fsum``.
+    The quantiles use the finite values of an evenly strided subsample of at most
+    ``max_samples`` elements (``quantile_samples`` says how many), so they are approximate
+    on large tensors (they describe a tensor for a reader; no check uses them). Values are
+    ``None`` when no element is finite.
     """
     x = t.detach().reshape(-1)
     if x.is_complex():
@@ -119,28 +123,30 @@ def tensor_stats(t: torch.Tensor, quantiles: tuple[float, ...] = QUANTILES,
     nan_count = inf_count = 0
     norms, sums, absmax = [], [], 0.0
     for c in torch.split(x, chunk):
-        c = c.to(torch.float64)
+        if c.dtype not in _NATIVE_STATS_DTYPES:  # FP8, integers, bool: no isfinite/abs/sum kernels for all
+            c = c.to(torch.float64)
         finite = torch.isfinite(c)
-        n_nan = int(torch.isnan(c).sum())
-        nan_count += n_nan
-        inf_count += c.numel() - int(finite.sum()) - n_nan
-        cf = c[finite]
-        if cf.numel():
-            norms.append(float(torch.linalg.vector_norm(cf)))
-            sums.append(float(cf.sum()))
-            absmax = max(absmax, float(cf.abs().max()))
+        if not bool(finite.all()):
+            n_nan = int(torch.isnan(c).sum())
+            nan_count += n_nan
+            inf_count += c.numel() - int(finite.sum()) - n_nan
+            c = c[finite]
+        if c.numel():
+            n, total, top = torch.stack([torch.linalg.vector_norm(c, dtype=torch.float64),
+                                         c.sum(dtype=torch.float64), c.abs().max().double()]).tolist()
+            norms.append(n)
+            sums.append(total)
+            absmax = max(absmax, top)
     finite_count = x.numel() - nan_count - inf_count
     stats: dict[str, Any] = {"numel": int(x.numel()), "finite_count": int(finite_count),
                              "nan_count": nan_count, "inf_count": inf_count}
     if finite_count == 0:
         stats.update(norm=None, absmax=None, mean=None, quantiles=None, quantile_samples=0)
         return stats
-    sample = x
-    if x.numel() > max_samples:
-        sample = x[torch.linspace(0, x.numel() - 1, max_samples, dtype=torch.float64).long()]
-    sample = sample.to(torch.float64)
+    sample = x[::-(-x.numel() // max_samples)].to(torch.float64)  # stride ceil(numel / max_samples)
     sample = sample[torch.isfinite(sample)]
-    qs = np.quantile(sample.numpy(), quantiles) if sample.numel() else [None] * len(quantiles)
+    qs = (torch.quantile(sample, torch.tensor(quantiles, dtype=torch.float64)).tolist() if sample.numel()
+          else [None] * len(quantiles))  # linear interpolation, as numpy's default
     norm = math.hypot(*norms)
     stats.update(norm=norm if math.isfinite(norm) else None,  # float64 overflow of |x|^2
                  absmax=absmax, mean=math.fsum(sums) / finite_count,
