@@ -17,7 +17,11 @@ layouts, and every registered bug caught at the tensor and phase it declares.
   drifted across ranks are reported.
 * ``all``: both, sharing the launches.
 
-Cost control: one reference trace per harness, seed and dtype (with ``--noise-samples`` noise
+Virtual pipelining (``+vpp2``: 2 model chunks per stage, megatron's interleaved schedule) needs
+4 layers on 2 stages: those layouts run a 4-layer model (:data:`VPP_MODEL`) against their own
+single-process reference.
+
+Cost control: one reference trace per harness, model, seed and dtype (with ``--noise-samples`` noise
 samples, modelling a TP split of the largest TP in the run), all references in one world-1
 gloo launch, and all candidates of one world size in one launch. Candidate traces are deleted
 once compared (``--keep-traces`` keeps them).
@@ -63,8 +67,14 @@ __all__ = [
 ]
 
 
-def _lay(tp: int = 1, pp: int = 1, dp: int = 1, sp: bool = False, distopt: bool = False) -> dict[str, Any]:
-    return {"tp": tp, "pp": pp, "dp": dp, "sp": sp, "distopt": distopt}
+def _lay(tp: int = 1, pp: int = 1, dp: int = 1, sp: bool = False, distopt: bool = False, vpp: int = 1
+         ) -> dict[str, Any]:
+    return {"tp": tp, "pp": pp, "dp": dp, "sp": sp, "distopt": distopt, **({"vpp": vpp} if vpp > 1 else {})}
+
+
+#: megatron-core model of the virtual-pipeline layouts: 4 layers (2 stages x 2 chunks of one layer);
+#: the other megatron layouts use the harness's 2-layer default. A model has its own reference.
+VPP_MODEL = {"num_layers": 4}
 
 
 #: the clean matrix's layouts (world <= 4), by :func:`layout_name`; every one runs in each dtype
@@ -72,7 +82,7 @@ LAYOUTS: dict[str, dict[str, Any]] = {layout_name(l): l for l in (
     _lay(tp=2), _lay(tp=2, sp=True), _lay(pp=2), _lay(dp=2), _lay(dp=2, distopt=True),
     _lay(tp=4), _lay(tp=4, sp=True), _lay(tp=2, pp=2), _lay(tp=2, pp=2, sp=True),
     _lay(tp=2, pp=2, sp=True, distopt=True), _lay(tp=2, dp=2), _lay(tp=2, dp=2, sp=True, distopt=True),
-    _lay(pp=2, dp=2), _lay(pp=2, dp=2, distopt=True))}
+    _lay(pp=2, dp=2), _lay(pp=2, dp=2, distopt=True), _lay(pp=2, vpp=2), _lay(tp=2, pp=2, sp=True, vpp=2))}
 #: the plain-PyTorch harness's layouts (``examples/torch_parallel``): CP, FP8, MoE, world <= 4
 TORCH = "torch:"
 LAYOUTS.update({TORCH + n: {"torch": Layout.parse(n)} for n in (
@@ -87,10 +97,10 @@ STEPS = 3
 NOISE_SAMPLES = 4
 BUG_SEED, BUG_DTYPE = 0, "bf16"
 #: the CI subset: (layout, dtype) rows, one seed, and bugs placed on those layouts
-QUICK_ROWS = (("tp2.pp2.dp1+sp", "bf16"), ("tp2.pp1.dp2+sp+distopt", "fp32"),
+QUICK_ROWS = (("tp2.pp2.dp1+sp", "bf16"), ("tp2.pp1.dp2+sp+distopt", "fp32"), ("tp1.pp2.dp1+vpp2", "bf16"),
               ("torch:tp1.cp2.dp1", "fp32"), ("torch:tp2.cp2.dp1+fp8", "bf16"))
 QUICK_BUGS = ("sp_norm_grad_not_reduced", "tied_embedding_grad_not_allreduced", "dp_grad_scale_skipped",
-              "cp_ring_backward_stale_kv", "norm_grad_times_tp_with_cp_fp8")
+              "vpp_p2p_mispaired", "cp_ring_backward_stale_kv", "norm_grad_times_tp_with_cp_fp8")
 LAUNCH_TIMEOUT_S = 3 * 3600.0
 
 
@@ -110,6 +120,19 @@ def _dtypes(name: str) -> tuple[str, ...]:
 def _torch_reference(name: str) -> str:
     """The reference layout of a plain-PyTorch layout: one rank, the same model features."""
     return TORCH + Layout.parse(name[len(TORCH):]).reference().name
+
+
+def _reference(name: str) -> str:
+    """The reference of a clean layout: the plain-PyTorch one (:func:`_torch_reference`), or
+    megatron-core's single process for its model (``reference``, ``reference+vpp-model``)."""
+    if name.startswith(TORCH):
+        return _torch_reference(name)
+    return "reference+vpp-model" if int(LAYOUTS[name].get("vpp", 1)) > 1 else "reference"
+
+
+def _model(name: str) -> dict[str, Any]:
+    """Model-size overrides of a megatron-core layout or reference (``build_and_train`` keywords)."""
+    return dict(VPP_MODEL) if name == "reference+vpp-model" or int(LAYOUTS.get(name, {}).get("vpp", 1)) > 1 else {}
 
 
 @dataclass
@@ -146,7 +169,7 @@ class Job:
         if self.kind == "ref":
             trace.update(noise_samples=self.noise_samples, noise_tp=self.noise_tp)
         return {"layout": lay, "steps": self.steps, "seed": self.seed, "dtype": self.dtype, "trace": trace,
-                "bug": self.bug}
+                "bug": self.bug, "model": _model(self.layout)}
 
 
 def _job_worker(rank: int, world: int, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -250,10 +273,11 @@ class BugRow:
 
 
 def _ref_root(out: Path, seed: int, dtype: str, layout: str = "reference") -> Path:
-    """The reference trace a candidate on ``layout`` is compared with."""
-    if layout.startswith(TORCH):
-        return out / f"ref_torch_{Layout.parse(layout[len(TORCH):]).reference().name}_{dtype}_s{seed}"
-    return out / f"ref_{dtype}_s{seed}"
+    """Trace directory of the reference of ``layout`` (a clean layout or a reference's name)."""
+    ref = layout if layout.startswith("reference") or layout not in LAYOUTS else _reference(layout)
+    if ref.startswith(TORCH):
+        return out / f"ref_torch_{Layout.parse(ref[len(TORCH):]).reference().name}_{dtype}_s{seed}"
+    return out / (f"ref_{dtype}_s{seed}" if ref == "reference" else f"ref_vpp-model_{dtype}_s{seed}")
 
 
 def _compare(ref: Path, cand: Path):
@@ -344,16 +368,18 @@ def _fmt_ratio(x: float) -> str:
 def clean_markdown(rows: list[CleanRow], command: str, total_s: float) -> str:
     """The clean-matrix table."""
     lines = [f"Produced by `{command}` ({total_s / 60:.1f} min on this machine, 2 CPU cores shared).", "",
-             ("| layout | dtype | seeds x steps | tensors compared | over threshold | largest error/threshold "
-              "(safety margin) | at | largest among noise-sample thresholds | at | traced s | compare s |"),
-             "|---|---|---|---:|---:|---:|---|---:|---|---:|---:|"]
+             ("| layout | dtype | seeds x steps | tensors compared | over threshold | unchecked | largest "
+              "error/threshold (safety margin) | at | largest among noise-sample thresholds | at | traced s | "
+              "compare s |"),
+             "|---|---|---|---:|---:|---:|---:|---|---:|---|---:|---:|"]
     for r in rows:
-        lines.append(f"| {r.layout} | {r.dtype} | {len(r.seeds)} x {r.steps} | {r.tensors} | {r.over} | "
+        lines.append(f"| {r.layout} | {r.dtype} | {len(r.seeds)} x {r.steps} | {r.tensors} | {r.over} | {r.unchecked} | "
                      f"{_fmt_ratio(r.max_ratio)} | {r.worst} | {_fmt_ratio(r.max_ratio_noise)} | "
                      f"{r.worst_noise or 'not recorded'} | {r.trace_s:.0f} | {r.compare_s:.0f} |")
     fps = [(r, fp) for r in rows for fp in r.false_positives]
     lines += ["", (f"False positives: {len(fps)} tensor(s) over threshold in "
-                   f"{sum(r.tensors for r in rows)} compared.")]
+                   f"{sum(r.tensors for r in rows)} compared; {sum(r.unchecked for r in rows)} unchecked (no "
+                   "noise sample moved them, or they consume a top-k choice that legitimately changed).")]
     for r, fp in fps[:20]:
         lines.append(f"- {r.layout} {r.dtype} seed {fp['seed']} step {fp['step']} {fp['phase']} {fp['name']} "
                      f"(mb {fp['microbatch']}): {fp['status']}, ratio {_fmt_ratio(fp['ratio'])} {fp['note']}")
@@ -473,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
     noise_tp = {h: max([LAYOUTS[n]["torch"].tp if "torch" in LAYOUTS[n] else LAYOUTS[n]["tp"]
                         for n, _, _ in cands if n.startswith(TORCH) == (h == "torch")] + [1])
                 for h in ("megatron", "torch")}
-    refs = sorted({(_torch_reference(n) if n.startswith(TORCH) else "reference", s, d) for n, d, s in cands})
+    refs = sorted({(_reference(n), s, d) for n, d, s in cands})
     jobs = [Job("ref", r, s, d, a.steps, str(_ref_root(out, s, d, r)), noise_samples=a.noise_samples,
                 noise_tp=noise_tp["torch" if r.startswith(TORCH) else "megatron"]) for r, s, d in refs]
     jobs += [Job("clean", n, s, d, a.steps, str(out / f"clean_{n}_{d}_s{s}")) for n, d in rows for s in seeds]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tracer.check import compare
-from tracer.decisions import changed_choices, choice_changes, gap_at, topk_meta, without_choices
+from tracer.decisions import changed_choices, choice_changes, gap_at, topk_consumer_meta, topk_meta, without_choices
 from tracer.store import TraceWriter
 
 T, E, K, TIE = 16, 4, 2, 7  # tokens, experts, top-k, the near-tie token
@@ -38,11 +38,11 @@ def test_choice_changes_unites_candidate_and_noise_samples():
     ref = torch.tensor([[3.0, 2.0, 1.9, 0.0], [3.0, 2.0, 1.0, 1.95]])
     cand = torch.tensor([[3.0, 1.8, 1.9, 0.0], [3.0, 2.0, 1.0, 1.95]])
     noise = torch.tensor([[3.0, 2.0, 1.9, 0.0], [3.0, 1.9, 1.0, 1.95]])
-    mask, note = choice_changes(ref, cand, [noise], 2)
-    assert mask.squeeze(-1).tolist() == [True, True]
-    assert "differs on 1 token(s) [0]" in note and "noise samples' differs on 1" in note
-    mask, note = choice_changes(ref, ref.clone(), [ref.clone()], 2)
-    assert note == "" and not bool(mask.any())
+    change = choice_changes(ref, cand, [noise], 2)
+    assert change.left_out.squeeze(-1).tolist() == [True, True] and change.in_candidate == 1
+    assert "differs on 1 token(s) [0]" in change.note and "noise samples' differs on 1" in change.note
+    none = choice_changes(ref, ref.clone(), [ref.clone()], 2)
+    assert none.note == "" and not bool(none.left_out.any()) and none.in_candidate == 0
 
 
 def _scores_and_grad() -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,10 +53,15 @@ def _scores_and_grad() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _write(root: Path, scores: torch.Tensor, grad: torch.Tensor, meta: dict, run_id: str) -> None:
+    """The router's scores and their gradient, and the layer's outputs that consume the choice:
+    per-token rows (the scores' row sums) and a scalar (their total)."""
     w = TraceWriter(root, 0, 1, {"layout": "test"}, "router-test", run_id=run_id)
-    m = {"module": "router", **meta}
-    w.add("router.output", scores, phase="fwd", step=0, index=0, meta=m)
-    w.add("router.output_grad", grad, phase="bwd", step=0, index=1, meta=m)
+    m = {"module": "moe.router", **meta}
+    consumer = {"module": "moe", **(topk_consumer_meta("router") if meta else {})}
+    w.add("moe.router.output", scores, phase="fwd", step=0, index=0, meta=m)
+    w.add("moe.output.0", grad.sum(-1, keepdim=True), phase="fwd", step=0, index=1, meta=consumer)
+    w.add("moe.output.1", grad.sum(), phase="fwd", step=0, index=2, meta=consumer)
+    w.add("moe.router.output_grad", grad, phase="bwd", step=0, index=3, meta=m)
     w.flush_step(0)
 
 
@@ -79,8 +84,8 @@ def _traces(root: Path, cand_scores_shift: float, swap_grad_row: bool, meta: dic
     c_scores, c_grad = noisy(scores), noisy(grad)
     c_scores[TIE, 1] -= cand_scores_shift
     c_scores[TIE, 2] += cand_scores_shift
-    if swap_grad_row:
-        c_grad[TIE, 1], c_grad[TIE, 2] = grad[TIE, 2].item(), grad[TIE, 1].item()
+    if swap_grad_row:  # and move the tie token's row sum, as a changed expert does to the layer's output
+        c_grad[TIE, 1], c_grad[TIE, 2] = grad[TIE, 2].item() + 1.0, grad[TIE, 1].item()
     _write(cand, c_scores, c_grad, meta, "cand")
     return ref, cand
 
@@ -92,16 +97,20 @@ def _row(c, name):
 def test_legitimate_flip_is_left_out_of_the_gradient(tmp_path):
     ref, cand = _traces(tmp_path, 3e-4, swap_grad_row=True, meta=topk_meta(K))
     c = compare(ref, cand)
-    assert c.verdict == "consistent", [(r.label, r.ratio, r.note) for r in c.rows]
-    assert f"differs on 1 token(s) [{TIE}]" in _row(c, "router.output").note
-    assert "1 token(s) left out" in _row(c, "router.output_grad").note
+    assert c.verdict == "consistent", [(r.label, r.status, r.ratio, r.note) for r in c.rows]
+    assert f"differs on 1 token(s) [{TIE}]" in _row(c, "moe.router.output").note
+    assert "1 token(s) left out" in _row(c, "moe.router.output_grad").note
+    assert "1 token(s) left out" in _row(c, "moe.output.0").note  # a consumer with token rows
+    scalar = _row(c, "moe.output.1")  # a consumer without: not compared, and says why
+    assert scalar.status == "unchecked" and "moe.router" in scalar.note and scalar.ratio > 1
 
 
 def test_same_flip_without_the_topk_meta_is_a_false_positive(tmp_path):
     """The failure the mechanism removes: the changed row alone puts the gradient over."""
     ref, cand = _traces(tmp_path, 3e-4, swap_grad_row=True, meta={})
     c = compare(ref, cand)
-    assert c.first is not None and c.first.name == "router.output_grad"
+    assert c.first is not None and c.first.name == "moe.output.0"
+    assert {r.name for r in c.rows if r.status == "over"} == {"moe.output.0", "moe.output.1", "moe.router.output_grad"}
 
 
 def test_wrong_selection_with_agreeing_scores_is_caught(tmp_path):
@@ -109,8 +118,8 @@ def test_wrong_selection_with_agreeing_scores_is_caught(tmp_path):
     another choice: a selection bug, not a near-tie; nothing is left out."""
     ref, cand = _traces(tmp_path, 0.0, swap_grad_row=True, meta=topk_meta(K))
     c = compare(ref, cand)
-    assert c.first is not None and c.first.name == "router.output_grad"
-    assert "left out" not in c.first.note
+    assert c.first is not None and c.first.name == "moe.output.0"
+    assert all("left out" not in r.note and r.status != "unchecked" for r in c.rows)
 
 
 def test_scores_over_threshold_leave_nothing_out(tmp_path):
@@ -118,6 +127,6 @@ def test_scores_over_threshold_leave_nothing_out(tmp_path):
     divergence and the gradient is compared on every token."""
     ref, cand = _traces(tmp_path, 0.05, swap_grad_row=True, meta=topk_meta(K))
     c = compare(ref, cand)
-    assert c.first is not None and c.first.name == "router.output"
-    assert _row(c, "router.output_grad").status == "over"
-    assert "left out" not in _row(c, "router.output_grad").note
+    assert c.first is not None and c.first.name == "moe.router.output"
+    assert _row(c, "moe.router.output_grad").status == "over"
+    assert all("left out" not in r.note and r.status != "unchecked" for r in c.rows)

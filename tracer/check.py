@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from tracer.canonical import Placement, assemble, shard
-from tracer.decisions import TOPK_META, choice_changes, without_choices
+from tracer.decisions import TOPK_CONSUMER_META, TOPK_META, ChoiceChange, choice_changes, without_choices
 from tracer.errors import IncomparableRunsError, TraceError
 from tracer.store import TraceReader
 from tracer.thresholds import DEFAULT_FALSE_ALARM, deviation_threshold, noise_threshold, unmodelled_threshold
@@ -238,24 +238,40 @@ def _storage_rounding_excess(phase: str, dtype: torch.dtype, ref: torch.Tensor):
 def _check_routed(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, cand_t: torch.Tensor,
                   notes: list[str], noisy: list[torch.Tensor], false_alarm: float,
                   cand_entries: dict[int, dict[str, Any]],
-                  changed: dict[tuple[int, str, int, int], torch.Tensor]) -> TensorCheck:
-    """:func:`_check_one` with top-k choices (:mod:`tracer.decisions`): the gradient of a
-    module's scores leaves out the tokens ``changed`` records for that call of the module;
-    its scores, when within threshold, record which tokens' choices differ."""
-    decision = (step, str(ref_e["meta"].get("module", "")), key[2], key[3])
-    left_out = changed.get(decision) if key[0] == "bwd" else None
-    if left_out is None or not _fits(left_out, ref_t) or cand_t.shape != ref_t.shape:
-        row = _check_one(step, key, ref_e, ref_t, cand_t, notes, noisy, false_alarm, cand_entries)
-        topk = ref_e["meta"].get(TOPK_META)
-        if topk and key[0] == "fwd" and row.status == "ok" and noisy:
-            mask, note = choice_changes(ref_t, cand_t, noisy, topk["k"], topk["dim"])
-            if note:
-                changed[decision], row.note = mask, "; ".join(x for x in (row.note, note) if x)
-        return row
-    row = _check_one(step, key, ref_e, without_choices(ref_t, left_out), without_choices(cand_t, left_out), notes,
-                     [without_choices(n, left_out) for n in noisy], false_alarm, cand_entries)
-    row.note = "; ".join(x for x in (row.note, f"{int(left_out.sum())} token(s) left out: their top-k choice "
-                                               "legitimately differs (tracer.decisions)") if x)
+                  changed: dict[tuple[int, str, int, int], ChoiceChange]) -> TensorCheck:
+    """:func:`_check_one` with top-k choices (:mod:`tracer.decisions`): a module's scores,
+    when within threshold, record in ``changed`` which tokens' choices differ; the scores'
+    gradient and the tensors that consume the choice leave those tokens out (a consumer
+    without token rows is ``unchecked`` when the candidate's choice changed)."""
+    meta = ref_e["meta"]
+    module = str(meta.get("module", ""))
+    scores_of = (module if key[0] == "bwd" and TOPK_META in meta
+                 else f"{module}.{meta[TOPK_CONSUMER_META]}" if TOPK_CONSUMER_META in meta else None)
+    change = changed.get((step, scores_of, key[2], key[3])) if scores_of else None
+    if change is not None and cand_t.shape == ref_t.shape:
+        if _fits(change.left_out, ref_t):
+            mask = change.left_out
+            row = _check_one(step, key, ref_e, without_choices(ref_t, mask), without_choices(cand_t, mask), notes,
+                             [without_choices(n, mask) for n in noisy], false_alarm, cand_entries)
+            row.note = "; ".join(x for x in (row.note, f"{int(mask.sum())} token(s) left out: their top-k choice "
+                                                       "legitimately differs (tracer.decisions)") if x)
+            return row
+        if change.in_candidate:
+            row = _check_one(step, key, ref_e, ref_t, cand_t, notes, noisy, false_alarm, cand_entries)
+            if row.status in ("ok", "over"):
+                row.status = "unchecked"
+                row.note = "; ".join(x for x in (row.note, (
+                    f"not compared (ratio {row.ratio:.3g} for the record): it depends on the top-k choice of "
+                    f"{scores_of}, which legitimately differs on {change.in_candidate} token(s) of this "
+                    "microbatch, and has no token rows to leave them out (tracer.decisions)")) if x)
+            return row
+    row = _check_one(step, key, ref_e, ref_t, cand_t, notes, noisy, false_alarm, cand_entries)
+    topk = meta.get(TOPK_META)
+    if topk and key[0] == "fwd" and row.status == "ok" and noisy:
+        change = choice_changes(ref_t, cand_t, noisy, topk["k"], topk["dim"])
+        if change.note:
+            changed[(step, module, key[2], key[3])] = change
+            row.note = "; ".join(x for x in (row.note, change.note) if x)
     return row
 
 
@@ -374,7 +390,7 @@ def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str
     per_tensor = false_alarm / max(len(plan), 1)  # Bonferroni: family-wise over the comparison
     bar = _progress(len(plan), progress)
     rows = []
-    changed: dict[tuple[int, str, int, int], torch.Tensor] = {}  # top-k choices that differ, per module call
+    changed: dict[tuple[int, str, int, int], ChoiceChange] = {}  # top-k choices that differ, per module call
     for s, k, ref_e, cand_entries, noise_es in plan:
         ref_t = ref.load(s, 0, ref_e["key"])
         noisy = [n.load(s, 0, e["key"]) for n, e in zip(noisy_readers, noise_es) if e is not None]

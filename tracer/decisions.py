@@ -26,27 +26,48 @@ meta :func:`topk_meta` (``{"topk": {"k": k, "dim": d}}``, set by the tracer's
    (:func:`without_choices`), so the error and the threshold are both measured on tokens
    whose choice agrees everywhere.
 
+3. tensors that *consume* the choice inside the same module (meta :func:`topk_consumer_meta`,
+   e.g. the MoE layer's output and its load-balancing loss) are compared the same way: rows
+   of the changed tokens left out when the tensor has one row per token; a tensor without
+   token rows (the auxiliary loss, a scalar that counts assignments per expert) cannot leave a
+   token out, so when the *candidate's* choice changed in that microbatch it is reported
+   ``unchecked`` (a discrete jump, not round-off) instead of compared; changes in the noise
+   samples alone only widen its threshold.
+
 A wrong top-k selection (a bug in the choice itself, not in the scores) is still caught:
 the changed choices are computed here from the recorded scores, so a candidate that routes
 differently from what its scores imply keeps those tokens in the gradient's comparison.
 Scores over their threshold mask nothing: the scores are then the divergence reported.
 
-Not covered: the tensors *downstream* of a changed choice in the same step (the MoE's
-output row of that token, the next layers, the experts' weight gradients, one token's
-contribution each) are compared as usual; a changed choice moves them by about the chosen
-experts' weight times the difference of their outputs, which the noise thresholds cover
-only when they sample such changes themselves.
+Not covered: the tensors further *downstream* of a changed choice (the next layers, through
+attention every token a little; the experts' weight gradients, one token's contribution
+each) are compared as usual; a changed choice moves them by about the chosen experts' weight
+times the difference of their outputs, which the noise thresholds cover only when they sample
+such changes themselves.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["TOPK_META", "changed_choices", "choice_changes", "gap_at", "topk_meta", "without_choices"]
+__all__ = ["TOPK_CONSUMER_META", "TOPK_META", "ChoiceChange", "changed_choices", "choice_changes", "gap_at",
+           "topk_consumer_meta", "topk_meta", "without_choices"]
 
 #: meta key of a record whose module's output scores a top-k choice
 TOPK_META = "topk"
+#: meta key of a record that depends on the top-k choice of a submodule (its name relative to the record's module)
+TOPK_CONSUMER_META = "topk_of"
+
+
+@dataclass(frozen=True)
+class ChoiceChange:
+    """The tokens whose choice differs at one call of a scores module (:func:`choice_changes`)."""
+
+    left_out: torch.Tensor   # changed in the candidate or in any noise sample (token mask, dim kept)
+    in_candidate: int        # how many changed in the candidate
+    note: str
 
 
 def topk_meta(k: int, dim: int = -1) -> dict[str, Any]:
@@ -55,6 +76,13 @@ def topk_meta(k: int, dim: int = -1) -> dict[str, Any]:
     if int(k) < 1:
         raise ValueError(f"top-k needs k >= 1, got {k}")
     return {TOPK_META: {"k": int(k), "dim": int(dim)}}
+
+
+def topk_consumer_meta(scores_module: str) -> dict[str, Any]:
+    """Meta for a module whose outputs depend on the top-k choice scored by its submodule
+    ``scores_module`` (relative name), e.g. an MoE layer: ``{"*.moe":
+    topk_consumer_meta("router.linear")}`` (step 3 of the module docstring)."""
+    return {TOPK_CONSUMER_META: str(scores_module)}
 
 
 def _chosen(scores: torch.Tensor, k: int, dim: int) -> torch.Tensor:
@@ -89,18 +117,18 @@ def without_choices(t: torch.Tensor, changed: torch.Tensor) -> torch.Tensor:
 
 
 def choice_changes(ref: torch.Tensor, cand: torch.Tensor, noisy: list[torch.Tensor], k: int, dim: int = -1
-                   ) -> tuple[torch.Tensor, str]:
+                   ) -> ChoiceChange:
     """The tokens whose top-``k`` choice differs from the reference's in the candidate or in
-    any noise sample (step 1 of the module docstring), and a note for the scores' row
+    any noise sample (step 1 of the module docstring), with a note for the scores' row
     (empty when none changed)."""
     in_cand = changed_choices(ref, cand, k, dim)
     in_noise = torch.zeros_like(in_cand)
     for n in noisy:
         in_noise |= changed_choices(ref, n, k, dim)
     changed = in_cand | in_noise
-    if not bool(changed.any()):
-        return changed, ""
     n_cand, n_noise = int(in_cand.sum()), int(in_noise.sum())
+    if not bool(changed.any()):
+        return ChoiceChange(changed, 0, "")
     if n_cand:
         where = in_cand.squeeze(dim).nonzero()
         tokens = (where.flatten() if where.shape[1] == 1 else where).tolist()[:10]
@@ -109,6 +137,7 @@ def choice_changes(ref: torch.Tensor, cand: torch.Tensor, noisy: list[torch.Tens
                      f"gap between its top-{k} and the next score there: {gaps})")
     else:
         cand_part = f"the candidate's top-{k} choice is the reference's"
-    return changed, (f"{cand_part}; the noise samples' differs on {n_noise} token(s); the scores are within "
-                     f"threshold, so these near-ties are legitimate: {int(changed.sum())} token(s) are left "
-                     "out of this module's output gradient (tracer.decisions)")
+    return ChoiceChange(changed, n_cand, (
+        f"{cand_part}; the noise samples' differs on {n_noise} token(s); the scores are within threshold, so "
+        f"these near-ties are legitimate: {int(changed.sum())} token(s) are left out of this module's output "
+        "gradient and of the tensors that consume the choice (tracer.decisions)"))

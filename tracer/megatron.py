@@ -114,41 +114,54 @@ class MegatronTracer:
     """Trace one rank of a megatron-core training run (see the module docstring).
 
     Args:
-        model: the rank's model chunk, wrapped (DDP, Float16Module) or not; megatron's DDP
-            wrapper is needed for the distributed-optimizer grad ranges.
+        model: the rank's model, wrapped (DDP, Float16Module) or not; megatron's DDP
+            wrapper is needed for the distributed-optimizer grad ranges. Under virtual
+            pipeline parallelism: the list of the rank's model chunks, in virtual-stage order
+            (as megatron's schedule takes them); every chunk is traced, its layers renumbered
+            with its own offset.
         config: the ``TransformerConfig`` (``sequence_parallel``, ``num_layers``,
             ``finalize_model_grads_func`` are read; the latter is wrapped to record grads).
         writer: this rank's :class:`~tracer.store.TraceWriter`.
         include, exclude: ``fnmatch`` patterns on local module names (as
-            :class:`~tracer.hooks.Tracer`); no-op modules (identity ops, dropout) are excluded.
+            :class:`~tracer.hooks.Tracer`; with several chunks, prefixed by the chunk's index,
+            ``"1.decoder.layers.0"``); no-op modules (identity ops, dropout) are excluded.
         capture: subset of ``fwd_in fwd_out bwd_out bwd_in grad_local grad param``.
         num_microbatches: microbatches per step on this rank (numbers the microbatches
-            of DP rank ``r`` from ``r * num_microbatches``).
-        vpp_chunk: the virtual pipeline chunk this model is (None without VPP).
+            of DP rank ``r`` from ``r * num_microbatches``; every chunk sees them in order).
+        vpp_chunk: the virtual pipeline chunk a single ``model`` is (None without VPP).
     """
 
-    def __init__(self, model: nn.Module, config: Any, writer: TraceWriter, *,
+    def __init__(self, model: nn.Module | Sequence[nn.Module], config: Any, writer: TraceWriter, *,
                  include: Sequence[str] = ("*",), exclude: Sequence[str] = (),
                  capture: Sequence[str] = ("fwd_in", "fwd_out", "bwd_out", "grad_local", "grad", "param"),
                  num_microbatches: int = 1, vpp_chunk: int | None = None) -> None:
-        self.ddp = model
-        self.model = unwrap(model)
+        self.ddps = list(model) if isinstance(model, (list, tuple)) else [model]
+        self.chunks = [unwrap(m) for m in self.ddps]
+        # several chunks are traced as the children "0", "1", ... of one container
+        self.model = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
         self.config = config
         self.writer = writer
         self.par = parallel_layout()
         self.sp = bool(getattr(config, "sequence_parallel", False))
         self.capture = set(capture)
         self.num_microbatches = int(num_microbatches)
-        self.offset = layer_offset(self.par["pp_rank"], self.par["pp"], config.num_layers,
-                                   vpp_chunk, self.par["vpp"] if vpp_chunk is not None else None)
+        if len(self.chunks) > 1:
+            self.offsets = [layer_offset(self.par["pp_rank"], self.par["pp"], config.num_layers, c, self.par["vpp"])
+                            for c in range(len(self.chunks))]
+        else:
+            self.offsets = [layer_offset(self.par["pp_rank"], self.par["pp"], config.num_layers, vpp_chunk,
+                                         self.par["vpp"] if vpp_chunk is not None else None)]
         self._classes = {n: type(m).__name__ for n, m in self.model.named_modules()}
         skipped = [n for n, c in self._classes.items() if c in _SKIPPED_CLASSES]
         # containers whose records depend on the pipeline stage (the root returns hidden states
         # on all but the last stage; the decoder block holds a stage's layers): their children
-        # are traced instead, and the per-token loss is recorded by wrap_forward_step
+        # are traced instead, and the per-token loss is recorded by wrap_forward_step. Every
+        # chunk builds the same rotary table: the first chunk's is traced.
         stage_dependent = [n for n, c in self._classes.items() if c in _STAGE_DEPENDENT or n == ""]
+        repeated = [f"{c}.rotary_pos_emb" for c in range(1, len(self.chunks))]
         self.tracer = Tracer(self.model, writer, include=include,
-                             exclude=list(exclude) + stage_dependent + skipped + [s + ".*" for s in skipped if s],
+                             exclude=list(exclude) + stage_dependent + repeated + skipped
+                             + [s + ".*" for s in skipped if s],
                              capture=[c for c in capture if c in ("fwd_in", "fwd_out", "bwd_out", "bwd_in")],
                              name_fn=self.canonical_name, placement_fn=self.activation_placement,
                              # each DP rank's loss is the mean over its own microbatches, dp times
@@ -158,17 +171,27 @@ class MegatronTracer:
                        if _matches(n, include) and not _matches(n, exclude)}
         self._orig_finalize = config.finalize_model_grads_func
         config.finalize_model_grads_func = self._finalize
+        self._counters = [0] * len(self.chunks)  # microbatches each chunk has started this step
 
     # names ------------------------------------------------------------------------
+    def _chunk(self, local: str) -> tuple[int, str]:
+        """(chunk index, name inside the chunk) of a local module or parameter name."""
+        if len(self.chunks) == 1:
+            return 0, local
+        head, _, rest = local.partition(".")
+        return int(head), rest
+
     def canonical_name(self, local: str) -> str:
         """Single-device name of a local module or parameter name."""
-        if re.search(r"(^|\.)layers\.\d+(\.|$)", local):
-            return renumber(local, "layers", self.offset)
-        return local
+        c, inner = self._chunk(local)
+        if re.search(r"(^|\.)layers\.\d+(\.|$)", inner):
+            return renumber(inner, "layers", self.offsets[c])
+        return inner
 
     def _param_name(self, local: str) -> tuple[str, bool]:
         """(canonical name, is the tied copy of the word embeddings on the last stage)."""
-        tied = local == "output_layer.weight" and getattr(self.model, "share_embeddings_and_output_weights", False)
+        c, inner = self._chunk(local)
+        tied = inner == "output_layer.weight" and getattr(self.chunks[c], "share_embeddings_and_output_weights", False)
         return ("embedding.word_embeddings.weight" if tied else self.canonical_name(local)), tied
 
     # placements -------------------------------------------------------------------
@@ -203,8 +226,9 @@ class MegatronTracer:
             kind = "partial" if phase == "grad_local" and getattr(p, "sequence_parallel", False) else "replicated"
             dims.append(ShardDim(None, "tp", self.par["tp_rank"], self.par["tp"], kind))
         _, tied = self._param_name(local)
-        if getattr(self.model, "share_embeddings_and_output_weights", False) and self.par["pp"] > 1 and (
-                tied or local == "embedding.word_embeddings.weight"):
+        c, inner = self._chunk(local)
+        if getattr(self.chunks[c], "share_embeddings_and_output_weights", False) and self.par["pp"] > 1 and (
+                tied or inner == "embedding.word_embeddings.weight"):
             kind = "partial" if phase == "grad_local" else "replicated"
             dims.append(ShardDim(None, "tied", 1 if tied else 0, 2, kind))
         if self.par["dp"] > 1:
@@ -216,7 +240,7 @@ class MegatronTracer:
     def _distopt_range(self, p: torch.Tensor) -> tuple[int, int] | None:
         """This rank's valid range ``[start, end)`` of ``p``'s flattened reduced grad."""
         dp, r = self.par["dp"], self.par["dp_rank"]
-        for buf in getattr(self.ddp, "buffers", []) + getattr(self.ddp, "expert_parallel_buffers", []):
+        for buf in [b for d in self.ddps for b in getattr(d, "buffers", []) + getattr(d, "expert_parallel_buffers", [])]:
             if p in buf.param_index_map:  # buffer coordinates, with megatron's alignment padding
                 start, end, bucket_id = buf.param_index_map[p]
                 bucket = buf.buckets[bucket_id]
@@ -227,7 +251,7 @@ class MegatronTracer:
 
     def _record_grads(self, phase: str) -> None:
         self.tracer.set_microbatch(0)  # per-step tensors: not of a microbatch
-        distopt = bool(getattr(getattr(self.ddp, "ddp_config", None), "use_distributed_optimizer", False))
+        distopt = bool(getattr(getattr(self.ddps[0], "ddp_config", None), "use_distributed_optimizer", False))
         for local, p in self.params.items():
             g = getattr(p, "main_grad", None)
             if g is None:
@@ -262,15 +286,19 @@ class MegatronTracer:
 
     def wrap_forward_step(self, forward_step: Callable) -> Callable:
         """Wrap megatron's ``forward_step_func`` so that records carry the global microbatch
-        number and the loss of each microbatch is recorded (phase ``loss``)."""
-        counter = {"mb": 0}
+        number and the loss of each microbatch is recorded (phase ``loss``). Under virtual
+        pipelining the schedule passes the chunk it runs; each chunk counts its own
+        microbatches."""
+        ids = [id(m) for m in self.ddps]
 
         def step_fn(data_iterator: Any, model: nn.Module, *rest: Any) -> Any:
-            mb = self.par["dp_rank"] * self.num_microbatches + counter["mb"]
-            counter["mb"] += 1
+            c = ids.index(id(model)) if id(model) in ids else 0
+            mb = self.par["dp_rank"] * self.num_microbatches + self._counters[c]
+            self._counters[c] += 1
             self.tracer.set_microbatch(mb)
             output, loss_func = forward_step(data_iterator, model, *rest)
-            if self.tracer.active and self.par["last_stage"] and isinstance(output, torch.Tensor):
+            last = self.par["last_stage"] and c == len(self.chunks) - 1
+            if self.tracer.active and last and isinstance(output, torch.Tensor):
                 self.tracer.record("loss_per_token", output.detach(), "loss", placement=self._replicated_all())
 
             def traced_loss(*a: Any, **k: Any) -> Any:
@@ -280,7 +308,6 @@ class MegatronTracer:
                     self.tracer.record("loss", loss.detach(), "loss", placement=self._replicated_all())
                 return out
             return output, traced_loss
-        self._counter = counter
         return step_fn
 
     def _replicated_all(self) -> dict[str, Any]:
@@ -309,8 +336,7 @@ class MegatronTracer:
     def step(self, step: int, writer: TraceWriter | None = None) -> Iterator[MegatronTracer]:
         """Trace one optimizer step (flushes this rank's file at the end), into ``writer``
         if given (e.g. a noise sample's trace) instead of the tracer's own."""
-        if hasattr(self, "_counter"):
-            self._counter["mb"] = 0
+        self._counters = [0] * len(self.chunks)
         self.tracer.writer = writer or self.writer
         try:
             with self.tracer.step(step):

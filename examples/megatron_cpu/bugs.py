@@ -225,3 +225,19 @@ def _norm_group(model, config, optimizer):
 
 
 _MISSING = object()
+
+
+@bug("vpp_p2p_mispaired", catalogue="B26-like (gloo harness caveat)", bug_class="mispaired point-to-point messages",
+     needs={"pp": 2, "vpp": 2}, expected_phase="bwd", expected_name="decoder.layers.1.output_grad*",
+     doc="virtual pipelining on 2 stages with batched p2p (megatron's default `batch_p2p_comm=True`): "
+         "each rank's previous and next stage are the same peer, and gloo pairs the batched isend/irecv "
+         "by posting order: a chunk receives a forward activation where it expects the gradient of its "
+         "output (same shape, no error), first the last layer of chunk 0 (layer 1 of 4); found while "
+         "building the VPP layouts (the harness turns batching off there)")
+def _vpp_batched_p2p(model, config, optimizer):
+    saved = config.batch_p2p_comm
+    config.batch_p2p_comm = True
+
+    def undo():
+        config.batch_p2p_comm = saved
+    return undo

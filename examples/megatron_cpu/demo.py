@@ -33,7 +33,7 @@ def _trace_worker(rank: int, world: int, jobs: list[dict]) -> list[dict]:
     out = []
     for job in jobs:
         r = build_and_train(job["layout"], steps=job["steps"], seed=job["seed"], dtype=job["dtype"],
-                            trace=job["trace"], bug=job.get("bug"))
+                            trace=job["trace"], bug=job.get("bug"), **job.get("model", {}))
         out.append({"losses": [float(x) for x in r["losses"]], "trace": r["trace"], "step_s": r["step_s"]})
     return out
 

@@ -40,10 +40,13 @@ DEFAULT_MODEL: dict[str, Any] = {"num_layers": 2, "hidden_size": 64, "num_attent
 
 
 def layout_name(layout: dict) -> str:
-    """Short name such as ``tp2.pp2.dp1+sp`` (``+distopt`` when the distributed optimizer is on)."""
+    """Short name such as ``tp2.pp2.dp1+sp`` (``+vpp2`` with 2 virtual pipeline chunks per stage,
+    ``+distopt`` when the distributed optimizer is on)."""
     s = f"tp{layout.get('tp', 1)}.pp{layout.get('pp', 1)}.dp{layout.get('dp', 1)}"
     if layout.get("sp"):
         s += "+sp"
+    if int(layout.get("vpp", 1)) > 1:
+        s += f"+vpp{int(layout['vpp'])}"
     if layout.get("distopt"):
         s += "+distopt"
     return s
@@ -60,11 +63,16 @@ def _shape_keyed_init(seed: int, std: float):
     return init
 
 
-def _digest(model) -> str:
+def _named_parameters(chunks: list) -> list:
+    """``(name, param)`` over a rank's model chunks (one chunk without virtual pipelining)."""
+    return [(f"{i}.{n}" if len(chunks) > 1 else n, p) for i, c in enumerate(chunks) for n, p in c.named_parameters()]
+
+
+def _digest(chunks: list) -> str:
     """SHA-256 of this rank's parameters' bytes (bitwise comparison of runs)."""
     import hashlib
     h = hashlib.sha256()
-    for name, p in model.named_parameters():
+    for name, p in _named_parameters(chunks):
         h.update(name.encode())
         h.update(p.detach().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
@@ -105,7 +113,9 @@ def build_and_train(layout: dict, steps: int = 3, seed: int = 1234, dtype: str =
     Call inside a gloo worker (``torch.distributed`` initialised, world = tp*pp*dp).
 
     Args:
-        layout: ``{"tp": int, "pp": int, "dp": int, "sp": bool, "distopt": bool}``.
+        layout: ``{"tp": int, "pp": int, "dp": int, "sp": bool, "distopt": bool, "vpp": int}``;
+            ``vpp > 1``: that many virtual pipeline chunks per stage (megatron's interleaved
+            schedule; ``num_layers`` must be a multiple of ``pp * vpp``).
         steps: optimizer steps.
         seed: weight-init seed (same for every layout).
         dtype: ``"fp32"`` or ``"bf16"`` (bf16 params/compute, fp32 main params and grads).
@@ -154,6 +164,7 @@ def build_and_train(layout: dict, steps: int = 3, seed: int = 1234, dtype: str =
 
     tp, pp, dp = int(layout.get("tp", 1)), int(layout.get("pp", 1)), int(layout.get("dp", 1))
     sp, distopt = bool(layout.get("sp", False)), bool(layout.get("distopt", False))
+    vpp = int(layout.get("vpp", 1))
     rank, world = dist.get_rank(), dist.get_world_size()
     if tp * pp * dp != world:
         raise ValueError(f"layout {layout} needs world {tp * pp * dp}, got {world}")
@@ -171,6 +182,9 @@ def build_and_train(layout: dict, steps: int = 3, seed: int = 1234, dtype: str =
         raise ValueError("global_batch must be a multiple of dp * micro_batch")
     local_batch = global_batch // dp
     num_mb = local_batch // micro_batch
+    if vpp > 1 and (pp == 1 or sizes["num_layers"] % (pp * vpp) or num_mb % pp):
+        raise ValueError(f"vpp={vpp} needs pp > 1, num_layers ({sizes['num_layers']}) a multiple of pp * vpp and "
+                         f"the microbatches per rank ({num_mb}) a multiple of pp")
     seq = sizes["seq_length"]
 
     t0 = time.perf_counter()
@@ -179,7 +193,8 @@ def build_and_train(layout: dict, steps: int = 3, seed: int = 1234, dtype: str =
     groups = contextlib.ExitStack()  # megatron's process groups end with this run
     groups.enter_context(released_groups())
     try:
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
         torch.manual_seed(seed)
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
         cfg_kw = {
@@ -192,32 +207,43 @@ def build_and_train(layout: dict, steps: int = 3, seed: int = 1234, dtype: str =
             "hidden_dropout": 0.0, "attention_dropout": 0.0, "bias_activation_fusion": False,
             "masked_softmax_fusion": False, "bias_dropout_fusion": False, "apply_rope_fusion": False,
             "gradient_accumulation_fusion": False, "params_dtype": params_dtype, "bf16": bf16,
-            "pipeline_dtype": params_dtype}
+            "pipeline_dtype": params_dtype, "virtual_pipeline_model_parallel_size": vpp if vpp > 1 else None,
+            # with 2 stages each rank's previous and next stage are the same peer: batched
+            # isend/irecv then pair a forward activation with a backward gradient of the same
+            # shape on gloo (silently wrong from the (pp+1)-th microbatch on); megatron's
+            # unbatched ops order the pairs by rank parity
+            "batch_p2p_comm": not (vpp > 1 and pp == 2)}
         cfg_kw.update(config_overrides)
         config = TransformerConfig(**cfg_kw)
-        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
-                         vocab_size=sizes["vocab_size"], max_sequence_length=seq,
-                         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                         parallel_output=True, share_embeddings_and_output_weights=True,
-                         position_embedding_type="rope")
-        if untag_sp_norm:
-            norms = [p for n, p in model.named_parameters() if "layernorm" in n]
-            if not (sp and norms):
-                raise ValueError("untag_sp_norm needs sequence parallelism and norm parameters")
-            for p in norms:
-                p.sequence_parallel = False
-        if bf16:
-            model = Float16Module(config, model)
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                                                    use_distributed_optimizer=distopt, bucket_size=None)
-        model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+        chunks = []
+        for vp in range(vpp):  # one model chunk per virtual pipeline stage (one without VPP)
+            stage = {"ignore_virtual": False, "vp_stage": vp} if vpp > 1 else {}
+            chunk = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(),
+                             vocab_size=sizes["vocab_size"], max_sequence_length=seq,
+                             pre_process=ps.is_pipeline_first_stage(**stage),
+                             post_process=ps.is_pipeline_last_stage(**stage),
+                             parallel_output=True, share_embeddings_and_output_weights=True,
+                             position_embedding_type="rope", **({"vp_stage": vp} if vpp > 1 else {}))
+            if untag_sp_norm:
+                norms = [p for n, p in chunk.named_parameters() if "layernorm" in n]
+                if not (sp and norms):
+                    raise ValueError("untag_sp_norm needs sequence parallelism and norm parameters")
+                for p in norms:
+                    p.sequence_parallel = False
+            if bf16:
+                chunk = Float16Module(config, chunk)
+            chunks.append(DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk,
+                                                  disable_bucketing=vp > 0))
+        model = chunks[0] if vpp == 1 else chunks
         config.finalize_model_grads_func = finalize_model_grads
         opt_config = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.0, clip_grad=clip_grad,
                                      bf16=bf16, params_dtype=params_dtype,
                                      use_distributed_optimizer=distopt)
-        optimizer = get_megatron_optimizer(opt_config, [model])
+        optimizer = get_megatron_optimizer(opt_config, chunks)
         if zero_grad_of is not None and rank == zero_grad_rank:
-            victims = [p for n, p in model.named_parameters() if zero_grad_of in n]
+            victims = [p for n, p in _named_parameters(chunks) if zero_grad_of in n]
             if not victims:
                 raise ValueError(f"no parameter name contains {zero_grad_of!r}")
 
@@ -252,12 +278,14 @@ def build_and_train(layout: dict, steps: int = 3, seed: int = 1234, dtype: str =
         last = ps.is_pipeline_last_stage()
 
         def forward_backward(step_fn=forward_step):
-            model.zero_grad_buffer()
+            for c in chunks:
+                c.zero_grad_buffer()
             optimizer.zero_grad()
             mb_losses.clear()
-            it = iter([(tokens[i * micro_batch:(i + 1) * micro_batch],
-                        labels[i * micro_batch:(i + 1) * micro_batch]) for i in range(num_mb)])
-            fb(forward_step_func=step_fn, data_iterator=it, model=[model],
+            batches = [(tokens[i * micro_batch:(i + 1) * micro_batch], labels[i * micro_batch:(i + 1) * micro_batch])
+                       for i in range(num_mb)]
+            its = [iter(batches) for _ in chunks]  # each chunk reads every microbatch once
+            fb(forward_step_func=step_fn, data_iterator=its[0] if vpp == 1 else its, model=chunks,
                num_microbatches=num_mb, seq_length=seq, micro_batch_size=micro_batch,
                forward_only=False)
             return list(mb_losses)  # this run's microbatch losses (noise samples run the step too)
@@ -294,7 +322,7 @@ def build_and_train(layout: dict, steps: int = 3, seed: int = 1234, dtype: str =
                 "losses": losses, "grad_norms": grad_norms, "step_s": step_s, "build_s": build_s,
                 "num_microbatches": num_mb, "dtype": dtype,
                 "trace": traced.summary() if traced is not None else None, "rerun": verdict,
-                "param_digest": _digest(model)}
+                "param_digest": _digest(chunks)}
     finally:
         if traced is not None:
             traced.close()

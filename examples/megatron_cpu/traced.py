@@ -32,6 +32,8 @@ class TracedRun:
         self.optimizer = optimizer
         rank, world = dist.get_rank(), dist.get_world_size()
         lay = {k: layout.get(k) for k in ("tp", "pp", "dp", "sp", "distopt")} | {"dtype": dtype}
+        if int(layout.get("vpp", 1)) > 1:
+            lay["vpp"] = int(layout["vpp"])
         self.writer = TraceWriter(self.root, rank, world, lay, signature, mode=trace.get("mode", "full"),
                                   run_id=str(trace.get("run_id", "")))
         self.mt = MegatronTracer(model, config, self.writer, num_microbatches=num_microbatches,

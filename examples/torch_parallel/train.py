@@ -30,7 +30,7 @@ from examples.torch_parallel import comm
 from examples.torch_parallel.layout import Groups, Layout
 from examples.torch_parallel.model import ModelConfig, TinyLM, shard_tokens
 from tracer.canonical import Placement, ShardDim
-from tracer.decisions import topk_meta
+from tracer.decisions import topk_consumer_meta, topk_meta
 from tracer.pytorch import DDPTracer
 from tracer.store import TraceWriter
 
@@ -230,7 +230,7 @@ def tracer_for(run: Run, writer: TraceWriter) -> DDPTracer:
     """A :class:`~tracer.pytorch.DDPTracer` over ``run``'s model with the harness placements.
     Traced: every module's output and output gradient except the MoE router's (integer expert
     indices; its linear's logits are traced, marked as the scores of a top-k choice for the
-    checker, :mod:`tracer.decisions`), the losses, reduced gradients, updated parameters and,
+    checker, and the MoE layer's outputs as consumers of that choice, :mod:`tracer.decisions`), the losses, reduced gradients, updated parameters and,
     with FP8, the scales (:meth:`Run.record_fp8_scales`)."""
     lay, grp = run.layout, run.groups
     params = dict(run.model.named_parameters())
@@ -240,4 +240,5 @@ def tracer_for(run: Run, writer: TraceWriter) -> DDPTracer:
                      param_placement=lambda local: param_placement(lay, grp, local, params[local]),
                      loss_placement=Placement(tuple(loss_dims(lay, grp))).to_dict(),
                      grad_scale=1.0 / (lay.dp * lay.cp),
-                     module_meta={"*.moe.router.linear": topk_meta(run.cfg.topk)})
+                     module_meta={"*.moe.router.linear": topk_meta(run.cfg.topk),
+                                  "*.moe": topk_consumer_meta("router.linear")})
