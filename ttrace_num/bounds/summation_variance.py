@@ -56,7 +56,7 @@ import torch
 from ..formats import FloatFormat
 from .summation import Summation, conversion_exact
 
-__all__ = ["difference_std", "matmul_variance", "sum_variance"]
+__all__ = ["difference_std", "matmul_sum_statistics", "matmul_variance", "sum_variance"]
 
 
 def _chain(q: torch.Tensor, c2: torch.Tensor, n: int) -> torch.Tensor:
@@ -89,11 +89,12 @@ def sum_variance(sq_sum: torch.Tensor, total: torch.Tensor, n: int, summation: S
     return var
 
 
-def matmul_variance(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
-                    summation: Summation | None = None) -> torch.Tensor:
-    """:func:`sum_variance` of every output of ``a @ b (+ bias)`` (the ``K`` products, then
-    the bias as one more term), with ``Q = (a*a) @ (b*b) (+ bias^2)`` and ``C = a @ b (+ bias)``
-    in float64. Products of fp32 inputs are counted as rounded (no FMA assumed)."""
+def matmul_sum_statistics(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor, int, bool]:
+    """``(Q, C, n, exact_products)`` of every output of ``a @ b (+ bias)`` for
+    :func:`sum_variance`: ``Q = (a*a) @ (b*b) (+ bias^2)``, ``C = a @ b (+ bias)`` in float64,
+    ``n`` terms (the ``K`` products, then the bias); products of fp32 inputs count as rounded
+    (no FMA assumed), of bf16/fp16 inputs as exact."""
     a64, b64 = a.detach().double(), b.detach().double()
     q, c = torch.matmul(a64 * a64, b64 * b64), torch.matmul(a64, b64)
     n = a.shape[-1]
@@ -101,6 +102,13 @@ def matmul_variance(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None 
         bias64 = bias.detach().double()
         q, c, n = q + bias64 * bias64, c + bias64, n + 1
     exact = a.dtype in (torch.bfloat16, torch.float16) and b.dtype in (torch.bfloat16, torch.float16)
+    return q, c, n, exact
+
+
+def matmul_variance(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
+                    summation: Summation | None = None) -> torch.Tensor:
+    """:func:`sum_variance` of every output of ``a @ b (+ bias)`` (:func:`matmul_sum_statistics`)."""
+    q, c, n, exact = matmul_sum_statistics(a, b, bias)
     return sum_variance(q, c, n, summation, exact_products=exact)
 
 

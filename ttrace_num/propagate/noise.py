@@ -33,7 +33,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import ttrace_num as tn
-from ..bounds.summation_variance import matmul_variance, sum_variance
+from ..bounds.summation_variance import matmul_sum_statistics, sum_variance
 from ..formats import get_format, half_ulp
 from .calls import OpCall, classify
 from .local import LocalBounds, ModelPolicy
@@ -115,11 +115,14 @@ class NoiseInjector(TorchFunctionMode):
         u = torch.rand(shape, generator=self.gen, dtype=torch.float64) * 2 - 1
         return u * torch.broadcast_to(b, shape)
 
-    def _variance_noise(self, var_of: Callable[["Summation | None"], torch.Tensor], shape: torch.Size
-                        ) -> torch.Tensor:
+    def _variance_noise(self, q: torch.Tensor, c: torch.Tensor, n: int, shape: torch.Size,
+                        exact_products: bool = True) -> torch.Tensor:
         """Uniform noise with the variance of the difference of an unsplit run and a run of
-        :attr:`variance_model`: ``U * sqrt(3 (V_plain + V_model))`` (``Var(U) = 1/3``)."""
-        return self._noise(torch.sqrt(3.0 * (var_of(None) + var_of(self.variance_model))), shape)
+        :attr:`variance_model` of sums with statistics ``Q``, ``C`` over ``n`` terms
+        (:func:`~ttrace_num.bounds.summation_variance.sum_variance`): ``U * sqrt(3 (V_plain +
+        V_model))`` (``Var(U) = 1/3``)."""
+        var = sum(sum_variance(q, c, n, s, exact_products) for s in (None, self.variance_model))
+        return self._noise(torch.sqrt(3.0 * torch.broadcast_to(var, shape)).reshape(shape), shape)
 
     def _variance_applies(self, *tensors: torch.Tensor) -> bool:
         return self.variance_model is not None and all(t.dtype == torch.float32 for t in tensors)
@@ -129,7 +132,8 @@ class NoiseInjector(TorchFunctionMode):
         """Noise of a GEMM result ``a @ b (+ bias)`` (fp32: :meth:`_variance_noise`; else
         ``U * bound_scale * matmul bound``)."""
         if self._variance_applies(a, b):
-            return self._variance_noise(lambda s: matmul_variance(a, b, bias, s).reshape(shape), shape)
+            q, c, n, exact = matmul_sum_statistics(a, b, bias)
+            return self._variance_noise(q.reshape(shape), c.reshape(shape), n, shape, exact)
         kw = {"bias": bias} if bias is not None else {}
         return self._noise(bound_scale * tn.tolerance("matmul", a, b, **self.local.common_kwargs(), **kw).abs
                            .reshape(shape), shape)
@@ -161,8 +165,7 @@ class NoiseInjector(TorchFunctionMode):
                     n = xt.shape[-1] * (q.numel() // max(g.numel(), 1))  # one sum over batch x K terms
                     while q.dim() > g.dim():
                         q, c = q.sum(0), c.sum(0)
-                    return self._variance_noise(lambda s: torch.broadcast_to(sum_variance(q, c, n, s), g.shape),
-                                                g.shape)
+                    return self._variance_noise(q, c, n, g.shape, exact_products=False)  # fp32 products
                 b = tn.tolerance("matmul", xt, slot.g, **common).abs
                 while b.dim() > g.dim():
                     b = b.sum(0)
@@ -193,7 +196,8 @@ class NoiseInjector(TorchFunctionMode):
             if self._variance_applies(t):
                 t64 = t.double()
                 q, c = (t64 * t64).sum(0), t64.sum(0)
-                return self._variance_noise(lambda s: sum_variance(q, c, t.shape[0], s).reshape(g.shape), g.shape)
+                return self._variance_noise(q.reshape(g.shape), c.reshape(g.shape), t.shape[0], g.shape,
+                                            exact_products=False)  # terms may be rounded products (g * x_hat)
             return self._noise(scale * tn.tolerance("sum", t, dim=0, **kw).abs.reshape(g.shape), g.shape)
         return fn
 
