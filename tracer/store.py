@@ -144,7 +144,8 @@ def tensor_stats(t: torch.Tensor, quantiles: tuple[float, ...] = QUANTILES,
         stats.update(norm=None, absmax=None, mean=None, quantiles=None, quantile_samples=0)
         return stats
     sample = x[::-(-x.numel() // max_samples)].to(torch.float64)  # stride ceil(numel / max_samples)
-    sample = sample[torch.isfinite(sample)]
+    if finite_count < x.numel():
+        sample = sample[torch.isfinite(sample)]
     qs = (torch.quantile(sample, torch.tensor(quantiles, dtype=torch.float64)).tolist() if sample.numel()
           else [None] * len(quantiles))  # linear interpolation, as numpy's default
     norm = math.hypot(*norms)
@@ -315,7 +316,8 @@ class TraceWriter:
                              step=step, tensor=name)
         key = f"{phase}/{name}/mb{microbatch}/i{index}"
         with torch._C.DisableTorchFunction():  # plain copy and stats even under a TorchFunctionMode
-            copy = tensor.detach().to("cpu", copy=True).contiguous()
+            # stats mode keeps no data: the statistics read the tensor where it is, no copy
+            copy = tensor.detach().to("cpu", copy=True).contiguous() if self.mode == "full" else tensor.detach()
             stats = tensor_stats(copy)
         entry = {"key": key, "name": name, "phase": phase, "step": step,
                  "microbatch": int(microbatch), "index": int(index),
