@@ -13,8 +13,9 @@ extra run per sample, and it covers gradients without a backward model per op.
 * the forward output by ``U * b`` with ``U ~ Uniform[-1, 1]`` elementwise and ``b`` the op's
   local bound (:class:`~.local.LocalBounds`), then rounds back to the output dtype;
 * in backward, the gradient flowing to each differentiable input by ``U * b_grad``:
-  for ``linear``/``matmul`` ``b_grad`` is the matmul bound of the gradient product
-  (``g W`` for the input, ``g^T x`` for the weight, the sum bound for the bias); for the
+  for ``linear``/``matmul`` ``b_grad`` is the local bound of the gradient product
+  (``g W`` for the input, ``g^T x`` for the weight: the same model as a forward GEMM, so the
+  policy's split-reduction difference when there is one; the sum bound for the bias); for the
   other ops it is one rounding of the gradient (``half_ulp`` of its magnitude, twice for a
   two-run difference), the error of a result computed in fp32 and stored once, which is
   how CPU kernels compute the backward of elementwise ops, norms and softmax in bf16.
@@ -88,8 +89,9 @@ class NoiseInjector(TorchFunctionMode):
             make parameter-like gradients (norm weight/bias, broadcast biases), e.g.
             ``Summation(split=tp, reduce_fmt="bf16")`` for a run whose sequence is split over
             ``tp`` ranks; None: the default model.
-        calibration: a calibration (or its file) for the forward bounds of the ops it
-            calibrates (:class:`~.local.LocalBounds`); the gradient bounds stay analytic.
+        calibration: a calibration (or its file) for the bounds of the ops it calibrates
+            (:class:`~.local.LocalBounds`), the GEMMs of the backward included; the other
+            gradient bounds stay analytic.
         variance_model: variance-matched noise for the sums whose result is fp32 (GEMMs in
             forward and backward, parameter-gradient sums over tokens): instead of ``U * b``
             from a bound, noise with the *variance* of the difference between an unsplit
@@ -127,16 +129,22 @@ class NoiseInjector(TorchFunctionMode):
     def _variance_applies(self, *tensors: torch.Tensor) -> bool:
         return self.variance_model is not None and all(t.dtype == torch.float32 for t in tensors)
 
-    def _gemm_noise(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, shape: torch.Size,
-                    bound_scale: float) -> torch.Tensor:
-        """Noise of a GEMM result ``a @ b (+ bias)`` (fp32: :meth:`_variance_noise`; else
-        ``U * bound_scale * matmul bound``)."""
+    def _gemm_bound(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """Local bound of a GEMM ``a @ b`` computed in backward, the same model as a forward GEMM
+        (:meth:`~.local.LocalBounds.of`): the policy's difference of the two runs' models when
+        it has one (a TP candidate splits the input-gradient GEMMs of its column-parallel
+        layers and sums the partials in the activation dtype, as the forward of its row-parallel
+        ones), else two independent runs' bounds."""
+        return self.local.of(OpCall("op", "matmul", (a, b)), None, self.module_of())
+
+    def _gemm_noise(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, shape: torch.Size
+                    ) -> torch.Tensor:
+        """Noise of a GEMM result ``a @ b (+ bias)`` computed in backward (fp32:
+        :meth:`_variance_noise`; else ``U`` times :meth:`_gemm_bound`)."""
         if self._variance_applies(a, b):
             q, c, n, exact = matmul_sum_statistics(a, b, bias)
             return self._variance_noise(q.reshape(shape), c.reshape(shape), n, shape, exact)
-        kw = {"bias": bias} if bias is not None else {}
-        return self._noise(bound_scale * tn.tolerance("matmul", a, b, **self.local.common_kwargs(), **kw).abs
-                           .reshape(shape), shape)
+        return self._noise(self._gemm_bound(a, b).reshape(shape), shape)
 
     def _grad_rounding(self, g: torch.Tensor) -> torch.Tensor:
         b = half_ulp(g.detach().double().abs(), get_format(g.dtype))
@@ -144,20 +152,18 @@ class NoiseInjector(TorchFunctionMode):
 
     def _grad_noise_fns(self, call: OpCall, slot: _Slot) -> list[Callable[[torch.Tensor], torch.Tensor] | None]:
         """One noise function per tensor input of ``call`` (None: no backward rounding)."""
-        common = self.local.common_kwargs()
-        scale = 1.0 if self.local.against_exact else 2.0
         if call.op in ("linear", "matmul"):
             x, w = call.inputs[0], call.inputs[1]
             wt = w if call.op == "linear" else w.transpose(-1, -2)  # grad_x = g @ wt
 
             def gx(g):
-                return self._gemm_noise(slot.g, wt, None, g.shape, scale)
+                return self._gemm_noise(slot.g, wt, None, g.shape)
 
             def gw(g):
                 go = slot.g.reshape(-1, slot.g.shape[-1])
                 xi = x.reshape(-1, x.shape[-1]).detach()
                 if call.op == "linear":  # grad_W = g^T x, shape (out, in)
-                    return self._gemm_noise(go.transpose(0, 1), xi, None, g.shape, scale)
+                    return self._gemm_noise(go.transpose(0, 1), xi, None, g.shape)
                 xt = x.detach().transpose(-1, -2)  # grad_B = A^T g, summed over batch dims
                 if self._variance_applies(xt, slot.g):
                     x64, g64 = xt.double(), slot.g.double()
@@ -166,11 +172,11 @@ class NoiseInjector(TorchFunctionMode):
                     while q.dim() > g.dim():
                         q, c = q.sum(0), c.sum(0)
                     return self._variance_noise(q, c, n, g.shape, exact_products=False)  # fp32 products
-                b = tn.tolerance("matmul", xt, slot.g, **common).abs
+                b = self._gemm_bound(xt, slot.g)
                 while b.dim() > g.dim():
                     b = b.sum(0)
                 b = torch.broadcast_to(b, g.shape) if b.shape != g.shape else b
-                return self._noise(scale * b.reshape(g.shape), g.shape)
+                return self._noise(b.reshape(g.shape), g.shape)
 
             fns: list = [gx, gw]
             if len(call.inputs) > 2:  # bias: sum of the output gradient over the tokens
@@ -248,7 +254,7 @@ class NoiseInjector(TorchFunctionMode):
         if call.op in ("linear", "matmul") and self._variance_applies(out, *call.inputs[:2]):
             a, w = call.inputs[0], call.inputs[1]
             bias = call.inputs[2] if len(call.inputs) > 2 else None
-            noise = self._gemm_noise(a, w.transpose(-1, -2) if call.op == "linear" else w, bias, out.shape, 2.0)
+            noise = self._gemm_noise(a, w.transpose(-1, -2) if call.op == "linear" else w, bias, out.shape)
         else:
             noise = self._noise(self.local.of(call, out, self.module_of()), out.shape)
         noisy = (out.detach().double() + noise).to(out.dtype)
