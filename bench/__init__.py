@@ -7,5 +7,9 @@ environment already says otherwise. It must happen before torch is first importe
 suite imports it for the same reason (``tests/conftest.py``)."""
 import os
 
+#: the names this package set (the user had not): a benchmark of speed undoes them (bench.tracer_cost)
+PINNED: list[str] = []
 for _name, _value in {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2"}.items():
-    os.environ.setdefault(_name, _value)
+    if _name not in os.environ:
+        os.environ[_name] = _value
+        PINNED.append(_name)

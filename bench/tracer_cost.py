@@ -27,7 +27,10 @@ params (the demo's dtype), global batch 4 (large: 1) in micro batches of 1, on t
 
 Timings are wall time on whatever the machine gives (the load average is printed): on a
 shared 2-core machine they move from run to run (the demo's untraced step took 95 ms in one
-run and 330 ms in another under a load average of ~50).
+run and 330 ms in another under a load average of ~50). They are taken on this machine's own
+CPU kernels: the AVX2 pin that ``bench/__init__.py`` sets for the bound models is undone here
+(on AVX2, bf16 GEMMs have no native kernel and the larger model's untraced step takes 663 ms
+instead of 56 ms, which would flatter every ratio: stats-only 1.34x instead of 4.75x).
 """
 from __future__ import annotations
 
@@ -46,8 +49,20 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import PINNED
+
+for _name in PINNED:  # speed is measured on this machine's own CPU kernels, not on the ones the models pin
+    os.environ.pop(_name)
+
 from examples.gloo import run_gloo
 from examples.megatron_cpu.gpt import DEFAULT_MODEL, layout_name
+
+def _kernels() -> str:
+    """The CPU kernels torch dispatches here (the pin of ``bench/__init__.py`` is undone above)."""
+    import torch
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "unrestricted")
+    return f"ATen {torch.backends.cpu.get_cpu_capability()}, oneDNN {isa}"
+
 
 MODELS: dict[str, dict[str, int]] = {
     "demo": dict(DEFAULT_MODEL),
@@ -336,7 +351,8 @@ def main(argv: list[str] | None = None) -> int:
 
     md = ["# Cost of tracing and comparing\n",
           (f"Produced by `{cmd}` ({wall:.0f} s; load average {load0[0]:.2f} at the start, {load1[0]:.2f} at "
-          f"the end, {os.cpu_count()} cores shared with other jobs; one thread per gloo rank, compare in the "
+          f"the end, {os.cpu_count()} cores shared with other jobs; this machine's own CPU kernels ("
+          f"{_kernels()}); one thread per gloo rank, compare in the "
           f"parent with torch's default threads). Models: **demo** ({_model_desc('demo')}) and **large** "
           f"({_model_desc('large')}), {a.dtype} with fp32 main params, micro batches of 1, Adam. {steps} steps "
           f"per run, the first dropped as warm-up; {reps} repetition(s) per mode in rotated order, steps pooled "

@@ -306,3 +306,15 @@ def test_identical_computations():
     d = matmul_difference(a, b[:, :1], model_a=Summation(), model_b=Summation())
     assert d.max() > 0
     assert ((col - (a @ b)[:, :1]).abs().double() <= d.abs).all()
+
+
+@pytest.mark.parametrize("mode", ["deterministic", "probabilistic"])
+def test_difference_with_an_inner_dimension_of_one(mode):
+    """K = 1 (an outer product, e.g. a weight gradient over one token): no summation level
+    differs between the models, only the output roundings; the bound is a tensor that covers
+    them (it crashed on the float 0 of the empty levels)."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(4, 1, generator=g).bfloat16(), torch.randn(1, 3, generator=g).bfloat16()
+    d = matmul_difference(a, b, model_a=Summation(), model_b=Summation(split=2, reduce_fmt="bf16"), mode=mode)
+    exact = a.double() @ b.double()
+    assert d.abs.shape == (4, 3) and bool((d.abs >= (exact - (a @ b).double()).abs()).all())

@@ -549,15 +549,17 @@ def sum_difference_bound(abs_sum: torch.Tensor, magnitude: torch.Tensor, n: int,
                 + output_rounding(magnitude + acc_b + eta, b.final_fmt, out_b))
 
     det_a, det_b = _deterministic(*sa), _deterministic(*sb)
-    bound = torch.minimum(det_a + det_b, sum(st.linear(d) for st, d in pairs)) + eta + outputs(det_a, det_b)
+    unshared = sum((st.linear(d) for st, d in pairs), torch.zeros_like(abs_sum))  # 0 when no level differs
+    bound = torch.minimum(det_a + det_b, unshared) + eta + outputs(det_a, det_b)
     if mode == "probabilistic":
         lam2, lam3 = math.sqrt(lam**2 + 2 * math.log(2)), math.sqrt(lam**2 + 2 * math.log(3))
         tri = sum(sum_error_bound(abs_sum, magnitude, n, s, o, mode, lam2, exact_products, partial_abs_sum=t)[0]
                   for s, o, t in ((a, out_a, partial_abs_sum_a), (b, out_b, partial_abs_sum_b)))
-        side = [torch.minimum(_deterministic(*st), lam3 * torch.sqrt(st[0].variance(st[0].depths)
-                                                                     + st[1].variance(st[1].depths)))
-                for st in (sa, sb)]
-        joint = lam3 * torch.sqrt(sum(st.variance(d) for st, d in pairs)) + eta + outputs(*side)
+        f64 = torch.float64  # a stage without levels contributes the float 0.0
+        side = [torch.minimum(_deterministic(*st), lam3 * torch.sqrt(torch.as_tensor(
+                    st[0].variance(st[0].depths) + st[1].variance(st[1].depths), dtype=f64))) for st in (sa, sb)]
+        joint = (lam3 * torch.sqrt(torch.as_tensor(sum(st.variance(d) for st, d in pairs), dtype=f64)) + eta
+                 + outputs(*side))
         bound = torch.minimum(bound, torch.minimum(tri, joint))
     values = {"n": n, "model_a": a.describe(), "model_b": b.describe(),
               "unshared_depths": {str(f): k for f, k in difference_depths(a, b, n, exact_products).items()},
