@@ -34,13 +34,13 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 import ttrace_num as tn
+from ..bounds.summation import Summation
 from ..bounds.summation_variance import matmul_sum_statistics, sum_variance
 from ..formats import get_format, half_ulp
 from .calls import OpCall, classify
 from .local import LocalBounds, ModelPolicy
 
 if TYPE_CHECKING:
-    from ..bounds.summation import Summation
     from ..calibrate import Calibration
 
 __all__ = ["NoiseInjector", "measure_propagation", "Propagation", "perturb_custom_backward"]
@@ -118,12 +118,14 @@ class NoiseInjector(TorchFunctionMode):
         return u * torch.broadcast_to(b, shape)
 
     def _variance_noise(self, q: torch.Tensor, c: torch.Tensor, n: int, shape: torch.Size,
-                        exact_products: bool = True) -> torch.Tensor:
-        """Uniform noise with the variance of the difference of an unsplit run and a run of
-        :attr:`variance_model` of sums with statistics ``Q``, ``C`` over ``n`` terms
-        (:func:`~ttrace_num.bounds.summation_variance.sum_variance`): ``U * sqrt(3 (V_plain +
-        V_model))`` (``Var(U) = 1/3``)."""
-        var = sum(sum_variance(q, c, n, s, exact_products) for s in (None, self.variance_model))
+                        exact_products: bool = True, models: "tuple[Summation | None, ...] | None" = None
+                        ) -> torch.Tensor:
+        """Uniform noise with the variance of the difference of two runs (``models``; default an
+        unsplit run and a run of :attr:`variance_model`) of sums with statistics ``Q``, ``C`` over
+        ``n`` terms (:func:`~ttrace_num.bounds.summation_variance.sum_variance`): ``U * sqrt(3
+        (V_a + V_b))`` (``Var(U) = 1/3``)."""
+        models = models or (None, self.variance_model)
+        var = sum(sum_variance(q, c, n, s, exact_products) for s in models)
         return self._noise(torch.sqrt(3.0 * torch.broadcast_to(var, shape)).reshape(shape), shape)
 
     def _variance_applies(self, *tensors: torch.Tensor) -> bool:
@@ -189,16 +191,31 @@ class NoiseInjector(TorchFunctionMode):
             return [None] * len(call.inputs)  # gradient passes through exactly
         return [self._grad_rounding] * len(call.inputs)
 
-    def _sum_noise(self, terms: Callable[[], torch.Tensor], shape: torch.Size, dtype: torch.dtype
-                   ) -> Callable[[torch.Tensor], torch.Tensor]:
+    def _sum_noise(self, terms: Callable[[], torch.Tensor], shape: torch.Size, dtype: torch.dtype,
+                   chain_in_dtype: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
         """Noise for a parameter-like gradient ``sum_k terms()[k]`` (shape ``(K, *shape)``): the
         sum bound under ``grad_summation`` (e.g. split over TP ranks under sequence
-        parallelism), twice for two runs."""
+        parallelism), twice for two runs.
+
+        ``chain_in_dtype``: the kernel adds the terms into a running sum stored in ``dtype``
+        (torch's CPU layer-norm backward accumulates ``dgamma``/``dbeta`` of a bf16/fp16 norm
+        row by row in a buffer of the input's dtype, then sums the threads' buffers in float:
+        measured 22-88 half-ulps of the result, rms). The noise then has the variance of that
+        chain in the reference (all ``K`` terms) and in a candidate that splits the terms like
+        ``grad_summation`` and reduces the parts in fp32
+        (:mod:`~ttrace_num.bounds.summation_variance`): a bound of a bf16 chain over ``K``
+        terms would be ~``lambda sqrt(K) 2^-8`` of the sum of magnitudes, 10-25x the spread."""
         scale = 1.0 if self.local.against_exact else 2.0
         kw = {**self.local.common_kwargs(), **({"summation": self.grad_summation} if self.grad_summation else {})}
 
         def fn(g: torch.Tensor) -> torch.Tensor:
             t = terms().detach().to(dtype).reshape(-1, *shape)
+            if chain_in_dtype:
+                t64 = t.double()
+                q, c = (t64 * t64).sum(0).reshape(g.shape), t64.sum(0).reshape(g.shape)
+                split = self.grad_summation.split if self.grad_summation else 1
+                models = (Summation(accum=dtype), Summation(accum=dtype, split=split, reduce_fmt="fp32"))
+                return self._variance_noise(q, c, t.shape[0], g.shape, exact_products=False, models=models)
             if self._variance_applies(t):
                 t64 = t.double()
                 q, c = (t64 * t64).sum(0), t64.sum(0)
@@ -231,10 +248,13 @@ class NoiseInjector(TorchFunctionMode):
             xhat = x / torch.sqrt((x * x).mean(dims, keepdim=True) + eps)
         out = {}
         w, b = call.kwargs.get("weight"), call.kwargs.get("bias")
+        x_in = call.inputs[0]
+        # torch's CPU layer-norm backward chains dgamma/dbeta in the input's dtype (see _sum_noise)
+        chain = call.op == "layer_norm" and x_in.device.type == "cpu" and x_in.dtype in (torch.bfloat16, torch.float16)
         if isinstance(w, torch.Tensor) and w.requires_grad:
-            out[2] = self._sum_noise(lambda: slot.g.double() * xhat, w.shape, w.dtype)
+            out[2] = self._sum_noise(lambda: slot.g.double() * xhat, w.shape, w.dtype, chain)
         if isinstance(b, torch.Tensor) and b.requires_grad:
-            out[3] = self._sum_noise(lambda: slot.g, b.shape, b.dtype)
+            out[3] = self._sum_noise(lambda: slot.g, b.shape, b.dtype, chain)
         return out
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
