@@ -130,9 +130,14 @@ def _reference(name: str) -> str:
     return "reference+vpp-model" if int(LAYOUTS[name].get("vpp", 1)) > 1 else "reference"
 
 
+def _reference_of(name: str) -> str:
+    """``name`` itself when it names a reference, else the reference of the clean layout ``name``."""
+    return name if name.startswith("reference") or name not in LAYOUTS else _reference(name)
+
+
 def _model(name: str) -> dict[str, Any]:
     """Model-size overrides of a megatron-core layout or reference (``build_and_train`` keywords)."""
-    return dict(VPP_MODEL) if name == "reference+vpp-model" or int(LAYOUTS.get(name, {}).get("vpp", 1)) > 1 else {}
+    return dict(VPP_MODEL) if _reference_of(name) == "reference+vpp-model" else {}
 
 
 @dataclass
@@ -274,7 +279,7 @@ class BugRow:
 
 def _ref_root(out: Path, seed: int, dtype: str, layout: str = "reference") -> Path:
     """Trace directory of the reference of ``layout`` (a clean layout or a reference's name)."""
-    ref = layout if layout.startswith("reference") or layout not in LAYOUTS else _reference(layout)
+    ref = _reference_of(layout)
     if ref.startswith(TORCH):
         return out / f"ref_torch_{Layout.parse(ref[len(TORCH):]).reference().name}_{dtype}_s{seed}"
     return out / (f"ref_{dtype}_s{seed}" if ref == "reference" else f"ref_vpp-model_{dtype}_s{seed}")

@@ -141,8 +141,8 @@ class NoiseInjector(TorchFunctionMode):
 
     def _gemm_noise(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, shape: torch.Size
                     ) -> torch.Tensor:
-        """Noise of a GEMM result ``a @ b (+ bias)`` computed in backward (fp32:
-        :meth:`_variance_noise`; else ``U`` times :meth:`_gemm_bound`)."""
+        """Noise of a GEMM result ``a @ b (+ bias)``: :meth:`_variance_noise` in fp32 (forward
+        and backward); else, in backward, ``U`` times :meth:`_gemm_bound`."""
         if self._variance_applies(a, b):
             q, c, n, exact = matmul_sum_statistics(a, b, bias)
             return self._variance_noise(q.reshape(shape), c.reshape(shape), n, shape, exact)
@@ -168,12 +168,11 @@ class NoiseInjector(TorchFunctionMode):
                     return self._gemm_noise(go.transpose(0, 1), xi, None, g.shape)
                 xt = x.detach().transpose(-1, -2)  # grad_B = A^T g, summed over batch dims
                 if self._variance_applies(xt, slot.g):
-                    x64, g64 = xt.double(), slot.g.double()
-                    q, c = torch.matmul(x64 * x64, g64 * g64), torch.matmul(x64, g64)
-                    n = xt.shape[-1] * (q.numel() // max(g.numel(), 1))  # one sum over batch x K terms
+                    q, c, k, exact = matmul_sum_statistics(xt, slot.g)
+                    n = k * (q.numel() // max(g.numel(), 1))  # one sum over batch x K terms
                     while q.dim() > g.dim():
                         q, c = q.sum(0), c.sum(0)
-                    return self._variance_noise(q, c, n, g.shape, exact_products=False)  # fp32 products
+                    return self._variance_noise(q, c, n, g.shape, exact)
                 b = self._gemm_bound(xt, slot.g)
                 while b.dim() > g.dim():
                     b = b.sum(0)
@@ -211,17 +210,16 @@ class NoiseInjector(TorchFunctionMode):
         def fn(g: torch.Tensor) -> torch.Tensor:
             t = terms().detach().to(dtype).reshape(-1, *shape)
             if chain_in_dtype:
-                t64 = t.double()
-                q, c = (t64 * t64).sum(0).reshape(g.shape), t64.sum(0).reshape(g.shape)
                 split = self.grad_summation.split if self.grad_summation else 1
                 models = (Summation(accum=dtype), Summation(accum=dtype, split=split, reduce_fmt="fp32"))
-                return self._variance_noise(q, c, t.shape[0], g.shape, exact_products=False, models=models)
-            if self._variance_applies(t):
-                t64 = t.double()
-                q, c = (t64 * t64).sum(0), t64.sum(0)
-                return self._variance_noise(q.reshape(g.shape), c.reshape(g.shape), t.shape[0], g.shape,
-                                            exact_products=False)  # terms may be rounded products (g * x_hat)
-            return self._noise(scale * tn.tolerance("sum", t, dim=0, **kw).abs.reshape(g.shape), g.shape)
+            elif self._variance_applies(t):
+                models = None  # an unsplit fp32 run vs one of variance_model
+            else:
+                return self._noise(scale * tn.tolerance("sum", t, dim=0, **kw).abs.reshape(g.shape), g.shape)
+            t64 = t.double()
+            q, c = (t64 * t64).sum(0).reshape(g.shape), t64.sum(0).reshape(g.shape)
+            # the terms may be rounded products (g * x_hat)
+            return self._variance_noise(q, c, t.shape[0], g.shape, exact_products=False, models=models)
         return fn
 
     def _broadcast_sum_noise(self, t: torch.Tensor, slot: _Slot):
