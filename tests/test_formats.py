@@ -258,6 +258,18 @@ def test_half_ulp_properties(fmt):
     assert torch.equal(half_ulp(torch.exp2(e), fmt), fmt.u * torch.exp2(e))
 
 
+@pytest.mark.parametrize("fmt", HALF_ULP_FORMATS + [get_format("fp64")], ids=str)
+def test_half_ulp_at_zero_nan_and_float64_subnormals(fmt):
+    t = torch.tensor([0.0, -0.0, float("nan"), 5e-324, 1e-310, 1.0], dtype=torch.float64)
+    h = half_ulp(t, fmt)
+    assert h[:2].tolist() == [0.0, 0.0] and math.isnan(h[2])
+    assert h[5] == fmt.u
+    # a float64 subnormal is below every format's normal range: its absolute bound (float64:
+    # u * 2**emin = 2**-1075, which float64 rounds to 0)
+    assert h[3:5].tolist() == [math.ldexp(fmt.u, fmt.emin)] * 2 if fmt.subnormals else \
+        h[3:5].tolist() == [fmt.subnormal_abs_error] * 2
+
+
 @pytest.mark.parametrize("fmt", HALF_ULP_FORMATS + [get_format("e8m0")], ids=str)
 def test_round_to_error_is_within_half_ulp(fmt):
     gen = torch.Generator().manual_seed(99)

@@ -9,7 +9,7 @@ import torch
 import tracer.store as store
 from tracer.errors import (CorruptTraceError, IncomparableRunsError, ManifestMismatchError,
                            MissingRankError, TraceError, TraceWriteError)
-from tracer.store import (TraceReader, TraceWriter, check_comparable, manifest_path, tensor_path,
+from tracer.store import (TraceReader, _jsonable, TraceWriter, check_comparable, manifest_path, tensor_path,
                           tensor_stats)
 
 LAYOUT = {"tp": 2, "pp": 1, "dp": 1}
@@ -331,3 +331,20 @@ def test_numpy_integer_step_and_non_oserror_cleanup(tmp_path, monkeypatch):
     monkeypatch.undo()
     w.flush_step(np.int64(1))
     assert TraceReader(tmp_path).entries(1, 0)[0]["key"] == "loss/a/mb2/i0"
+
+
+@pytest.mark.parametrize("value", [
+    {"a": [1, 2.5, None, True, "s"], "b": {"c": (3, 4)}}, [], {}, 7, "x", None, -0.0,
+    {1: "int key", 2.5: "float key", True: "bool key", None: "none key"},
+])
+def test_meta_is_copied_as_json_reads_it_back(value):
+    assert _jsonable(value, "meta") == json.loads(json.dumps(value, allow_nan=False))
+
+
+@pytest.mark.parametrize("value", [{"x": float("nan")}, {"x": [float("inf")]}, {(1, 2): "tuple key"},
+                                   {"x": object()}, {"x": torch.ones(1)}, {"x": {1, 2}}])
+def test_meta_that_json_refuses_is_refused(value):
+    with pytest.raises((TypeError, ValueError)):
+        json.dumps(value, allow_nan=False)
+    with pytest.raises(TraceError, match="meta must be JSON-serialisable"):
+        _jsonable(value, "meta")

@@ -319,11 +319,16 @@ def half_ulp(t: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     Above the largest finite value it returns ``+inf`` (overflow is not round-off).
     """
     t = t.abs().to(torch.float64)
-    _, exp = torch.frexp(t)  # t = mant * 2**exp, mant in [0.5, 1)
-    e = (exp - 1).clamp(min=fmt.emin)
-    out = torch.ldexp(torch.full_like(t, fmt.u), e.to(torch.float64))
-    out = torch.where(t == 0, torch.zeros_like(t), out)  # 0 is exact in every format
+    log2_u = -fmt.precision  # u = 2**-p
+    if fmt.emin + log2_u >= -1022:  # every result is a normal float64 2**k: build it from its bits
+        k = ((t.view(torch.int64) >> 52) - 1023).clamp_(min=fmt.emin).add_(log2_u + 1023)
+        out = (k << 52).view(torch.float64)  # floor(log2 t) from the float64 exponent field
+    else:  # float64 itself: its half-ulp underflows to float64 subnormals
+        _, exp = torch.frexp(t)  # t = mant * 2**exp, mant in [0.5, 1)
+        out = torch.ldexp(torch.full_like(t, fmt.u), (exp - 1).clamp(min=fmt.emin).to(torch.float64))
+    out.masked_fill_(t == 0, 0.0)  # 0 is exact in every format
     if not fmt.subnormals:
-        out = torch.where(t < fmt.min_normal, torch.full_like(t, fmt.subnormal_abs_error), out)
-    out = torch.where(t > fmt.max, torch.full_like(t, math.inf), out)
+        out.masked_fill_(t < fmt.min_normal, fmt.subnormal_abs_error)
+    out.masked_fill_(t > fmt.max, math.inf)
+    out.masked_fill_(t.isnan(), math.nan)  # a NaN has no magnitude
     return out
