@@ -12,7 +12,10 @@ per-tensor thresholds; :func:`tracer.check.compare` finds them under ``root/nois
 The state of a step (model parameters and buffers, the optimizer's parameters -- the fp32 main
 parameters of a mixed-precision optimizer -- and its state, e.g. Adam's moments) is
 snapshotted and restored bit for bit around the samples. Cost: ``S`` extra steps per step,
-plus ``S + 1`` copies of the model and optimizer state in memory.
+plus ``S + 1`` copies of the model and optimizer state in memory. The samples of a step share
+their noise amplitudes (:mod:`ttrace_num.propagate.memo`): the first sample computes each op's
+local bound, the others reuse it where their operands match, which makes a sample after the
+first several times cheaper.
 """
 from __future__ import annotations
 
@@ -79,17 +82,21 @@ class NoiseSampler:
         custom_functions: ``torch.autograd.Function`` classes whose backward does arithmetic
             (autograd runs it outside the injector otherwise; see
             :func:`~ttrace_num.propagate.noise.perturb_custom_backward`).
+        reuse_amplitudes: share the amplitudes of a step across its samples
+            (:class:`~ttrace_num.propagate.memo.AmplitudeMemo`); False: each sample computes its own.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: Any, root: str | Path, *, layout: dict[str, Any],
                  signature: str, samples: int = 4, seed: int = 0, injector_kwargs: dict[str, Any] | None = None,
-                 custom_functions: Sequence[type] = ()) -> None:
+                 custom_functions: Sequence[type] = (), reuse_amplitudes: bool = True) -> None:
         if samples < 1:
             raise ValueError("need at least one noise sample")
         self.model, self.optimizer = model, optimizer
         self.seed = int(seed)
         self.injector_kwargs = {"mode": "probabilistic", **(injector_kwargs or {})}
         self.custom_functions = tuple(custom_functions)
+        self.reuse_amplitudes = reuse_amplitudes
+        self.amplitude_hits = self.amplitude_misses = 0  # over all steps, for reports
         self.writers = [TraceWriter(Path(root) / "noise" / f"sample_{i}", 0, 1, layout, signature,
                                     run_id=f"noise{i}") for i in range(samples)]
         self.states: list[StateSnapshot] = []
@@ -103,18 +110,25 @@ class NoiseSampler:
         caches its rotary table with ``lru_cache``) is computed without noise; the samples
         then start from the state before the clean step and the run continues from the
         state after it."""
+        from ttrace_num.propagate.memo import AmplitudeMemo
         from ttrace_num.propagate.noise import NoiseInjector, perturb_custom_backward
         before = StateSnapshot(self.model, self.optimizer)
         out = traced_step(None)
         after = StateSnapshot(self.model, self.optimizer)
         if not self.states:
             self.states = [before] * len(self.writers)
+        memo = AmplitudeMemo() if self.reuse_amplitudes else None
         for i, w in enumerate(self.writers):
             self.states[i].restore()
             gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 101 + i)
-            inj = NoiseInjector(gen, **self.injector_kwargs)
+            if memo is not None:
+                memo.rewind()
+            inj = NoiseInjector(gen, memo=memo, **self.injector_kwargs)
             with inj, perturb_custom_backward(inj, *self.custom_functions):
                 traced_step(w)
             self.states[i] = StateSnapshot(self.model, self.optimizer)
+        if memo is not None:
+            self.amplitude_hits += memo.hits
+            self.amplitude_misses += memo.misses
         after.restore()
         return out

@@ -23,8 +23,8 @@ __all__ = ["TracedRun"]
 
 class TracedRun:
     """One rank's tracing of a harness run: ``trace = {"root": dir, "mode": "full"|"stats",
-    "noise_samples": S, "noise_tp": T, "noise_seed": k, "capture": [...]}``; ``S > 0`` only on
-    the single-process reference."""
+    "noise_samples": S, "noise_tp": T, "noise_seed": k, "reuse_amplitudes": bool, "capture": [...]}``;
+    ``S > 0`` only on the single-process reference."""
 
     def __init__(self, trace: dict, model: Any, config: Any, optimizer: Any, *,
                  layout: dict, dtype: str, num_microbatches: int, signature: str) -> None:
@@ -46,6 +46,7 @@ class TracedRun:
                 raise ValueError("noise samples are taken on the single-process reference only")
             self.sampler = NoiseSampler(model, optimizer, self.root, layout=lay, signature=signature,
                                         samples=samples, seed=int(trace.get("noise_seed", 0)),
+                                        reuse_amplitudes=bool(trace.get("reuse_amplitudes", True)),
                                         **reference_noise(int(trace.get("noise_tp", 2)), dtype))
         self.bytes = 0
 
@@ -69,7 +70,9 @@ class TracedRun:
 
     def summary(self) -> dict:
         return {"root": str(self.root), "bytes": self.bytes,
-                "noise_samples": len(self.sampler.writers) if self.sampler else 0}
+                "noise_samples": len(self.sampler.writers) if self.sampler else 0,
+                "amplitudes_reused": self.sampler.amplitude_hits if self.sampler else 0,
+                "amplitudes_computed": self.sampler.amplitude_misses if self.sampler else 0}
 
     def close(self) -> None:
         self.mt.remove()

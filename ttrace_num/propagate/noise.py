@@ -39,6 +39,7 @@ from ..bounds.summation_variance import matmul_sum_statistics, sum_variance
 from ..formats import get_format, half_ulp
 from .calls import OpCall, classify
 from .local import LocalBounds, ModelPolicy
+from .memo import AmplitudeMemo
 
 if TYPE_CHECKING:
     from ..calibrate import Calibration
@@ -97,14 +98,18 @@ class NoiseInjector(TorchFunctionMode):
             from a bound, noise with the *variance* of the difference between an unsplit
             random-order fp32 run and a run of this model (e.g. ``Summation(split=tp)``),
             :mod:`ttrace_num.bounds.summation_variance`. ``None``: bounds everywhere.
+        memo: amplitudes shared by the samples of one step (:mod:`.memo`): the first
+            sample's injector computes and stores them, the next ones reuse those of matching
+            calls. ``None``: every amplitude is computed.
     """
 
     def __init__(self, generator: torch.Generator, mode: str = "deterministic",
                  failure_probability: float | None = None, policy: ModelPolicy | None = None,
                  against_exact: bool = False, backward: bool = True, module_of: Callable[[], str] | None = None,
                  calibration: "Calibration | str | None" = None, grad_summation: "Summation | None" = None,
-                 variance_model: "Summation | None" = None):
+                 variance_model: "Summation | None" = None, memo: AmplitudeMemo | None = None):
         super().__init__()
+        self.memo = memo
         self.gen = generator
         self.grad_summation = grad_summation
         self.variance_model = variance_model
@@ -114,19 +119,29 @@ class NoiseInjector(TorchFunctionMode):
         self.perturbed = 0
 
     def _noise(self, b: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-        u = torch.rand(shape, generator=self.gen, dtype=torch.float64) * 2 - 1
+        """``U * b``, ``U ~ Uniform[-1, 1]`` elementwise (drawn in float32, half the cost of
+        float64 draws: ``U`` needs no more than 24 random bits), in float64."""
+        u = torch.rand(shape, generator=self.gen, dtype=torch.float32).mul_(2).sub_(1)
         return u * torch.broadcast_to(b, shape)
 
-    def _variance_noise(self, q: torch.Tensor, c: torch.Tensor, n: int, shape: torch.Size,
-                        exact_products: bool = True, models: "tuple[Summation | None, ...] | None" = None
-                        ) -> torch.Tensor:
-        """Uniform noise with the variance of the difference of two runs (``models``; default an
-        unsplit run and a run of :attr:`variance_model`) of sums with statistics ``Q``, ``C`` over
-        ``n`` terms (:func:`~ttrace_num.bounds.summation_variance.sum_variance`): ``U * sqrt(3
-        (V_a + V_b))`` (``Var(U) = 1/3``)."""
+    def _amplitude(self, what: str, operands: tuple, compute: Callable[[], torch.Tensor],
+                   output: torch.Tensor | None = None) -> torch.Tensor:
+        """``compute()``, or the amplitude :attr:`memo` holds for this call (``operands`` and a
+        forward call's ``output``: what it depends on)."""
+        if self.memo is None:
+            return compute()
+        return self.memo.get(f"{what}@{self.module_of()}", operands, compute, output)
+
+    def _variance_amplitude(self, q: torch.Tensor, c: torch.Tensor, n: int, shape: torch.Size,
+                            exact_products: bool = True, models: "tuple[Summation | None, ...] | None" = None
+                            ) -> torch.Tensor:
+        """Amplitude of uniform noise with the variance of the difference of two runs (``models``;
+        default an unsplit run and a run of :attr:`variance_model`) of sums with statistics
+        ``Q``, ``C`` over ``n`` terms (:func:`~ttrace_num.bounds.summation_variance.sum_variance`):
+        ``sqrt(3 (V_a + V_b))``, as ``Var(U) = 1/3``."""
         models = models or (None, self.variance_model)
         var = sum(sum_variance(q, c, n, s, exact_products) for s in models)
-        return self._noise(torch.sqrt(3.0 * torch.broadcast_to(var, shape)).reshape(shape), shape)
+        return torch.sqrt(3.0 * torch.broadcast_to(var, shape)).reshape(shape)
 
     def _variance_applies(self, *tensors: torch.Tensor) -> bool:
         return self.variance_model is not None and all(t.dtype == torch.float32 for t in tensors)
@@ -139,14 +154,16 @@ class NoiseInjector(TorchFunctionMode):
         ones), else two independent runs' bounds."""
         return self.local.of(OpCall("op", "matmul", (a, b)), None, self.module_of())
 
-    def _gemm_noise(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, shape: torch.Size
-                    ) -> torch.Tensor:
-        """Noise of a GEMM result ``a @ b (+ bias)``: :meth:`_variance_noise` in fp32 (forward
-        and backward); else, in backward, ``U`` times :meth:`_gemm_bound`."""
-        if self._variance_applies(a, b):
-            q, c, n, exact = matmul_sum_statistics(a, b, bias)
-            return self._variance_noise(q.reshape(shape), c.reshape(shape), n, shape, exact)
-        return self._noise(self._gemm_bound(a, b).reshape(shape), shape)
+    def _gemm_noise(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, shape: torch.Size,
+                    output: torch.Tensor | None = None) -> torch.Tensor:
+        """Noise of a GEMM result ``a @ b (+ bias)``: of :meth:`_variance_amplitude` in fp32
+        (forward and backward); else, in backward, ``U`` times :meth:`_gemm_bound`."""
+        def amplitude() -> torch.Tensor:
+            if self._variance_applies(a, b):
+                q, c, n, exact = matmul_sum_statistics(a, b, bias)
+                return self._variance_amplitude(q.reshape(shape), c.reshape(shape), n, shape, exact)
+            return self._gemm_bound(a, b).reshape(shape)
+        return self._noise(self._amplitude("gemm", (a, b, bias), amplitude, output), shape)
 
     def _grad_rounding(self, g: torch.Tensor) -> torch.Tensor:
         b = half_ulp(g.detach().double().abs(), get_format(g.dtype))
@@ -167,17 +184,9 @@ class NoiseInjector(TorchFunctionMode):
                 if call.op == "linear":  # grad_W = g^T x, shape (out, in)
                     return self._gemm_noise(go.transpose(0, 1), xi, None, g.shape)
                 xt = x.detach().transpose(-1, -2)  # grad_B = A^T g, summed over batch dims
-                if self._variance_applies(xt, slot.g):
-                    q, c, k, exact = matmul_sum_statistics(xt, slot.g)
-                    n = k * (q.numel() // max(g.numel(), 1))  # one sum over batch x K terms
-                    while q.dim() > g.dim():
-                        q, c = q.sum(0), c.sum(0)
-                    return self._variance_noise(q, c, n, g.shape, exact)
-                b = self._gemm_bound(xt, slot.g)
-                while b.dim() > g.dim():
-                    b = b.sum(0)
-                b = torch.broadcast_to(b, g.shape) if b.shape != g.shape else b
-                return self._noise(b.reshape(g.shape), g.shape)
+                return self._noise(self._amplitude("batched-weight-grad", (xt, slot.g),
+                                                   lambda: self._batched_weight_grad_amplitude(xt, slot.g, g.shape)),
+                                   g.shape)
 
             fns: list = [gx, gw]
             if len(call.inputs) > 2:  # bias: sum of the output gradient over the tokens
@@ -190,8 +199,25 @@ class NoiseInjector(TorchFunctionMode):
             return [None] * len(call.inputs)  # gradient passes through exactly
         return [self._grad_rounding] * len(call.inputs)
 
+    def _batched_weight_grad_amplitude(self, xt: torch.Tensor, g_out: torch.Tensor, shape: torch.Size
+                                       ) -> torch.Tensor:
+        """Amplitude for the gradient of a batched matmul's weight ``B`` (``grad_B = A^T g``
+        summed over the batch dims, result ``shape``): of one sum over batch x K terms."""
+        if self._variance_applies(xt, g_out):
+            q, c, k, exact = matmul_sum_statistics(xt, g_out)
+            n = k * (q.numel() // max(shape.numel(), 1))  # one sum over batch x K terms
+            while q.dim() > len(shape):
+                q, c = q.sum(0), c.sum(0)
+            return self._variance_amplitude(q, c, n, shape, exact)
+        b = self._gemm_bound(xt, g_out)
+        while b.dim() > len(shape):
+            b = b.sum(0)
+        b = torch.broadcast_to(b, shape) if b.shape != shape else b
+        return b.reshape(shape)
+
     def _sum_noise(self, terms: Callable[[], torch.Tensor], shape: torch.Size, dtype: torch.dtype,
-                   chain_in_dtype: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+                   chain_in_dtype: bool = False, operands: Callable[[], tuple] | None = None
+                   ) -> Callable[[torch.Tensor], torch.Tensor]:
         """Noise for a parameter-like gradient ``sum_k terms()[k]`` (shape ``(K, *shape)``): the
         sum bound under ``grad_summation`` (e.g. split over TP ranks under sequence
         parallelism), twice for two runs.
@@ -203,11 +229,13 @@ class NoiseInjector(TorchFunctionMode):
         chain in the reference (all ``K`` terms) and in a candidate that splits the terms like
         ``grad_summation`` and reduces the parts in fp32
         (:mod:`~ttrace_num.bounds.summation_variance`): a bound of a bf16 chain over ``K``
-        terms would be ~``lambda sqrt(K) 2^-8`` of the sum of magnitudes, 10-25x the spread."""
+        terms would be ~``lambda sqrt(K) 2^-8`` of the sum of magnitudes, 10-25x the spread.
+
+        ``operands``: what the terms are computed from, for :attr:`memo` (default the terms)."""
         scale = 1.0 if self.local.against_exact else 2.0
         kw = {**self.local.common_kwargs(), **({"summation": self.grad_summation} if self.grad_summation else {})}
 
-        def fn(g: torch.Tensor) -> torch.Tensor:
+        def amplitude(g: torch.Tensor) -> torch.Tensor:
             t = terms().detach().to(dtype).reshape(-1, *shape)
             if chain_in_dtype:
                 split = self.grad_summation.split if self.grad_summation else 1
@@ -215,11 +243,15 @@ class NoiseInjector(TorchFunctionMode):
             elif self._variance_applies(t):
                 models = None  # an unsplit fp32 run vs one of variance_model
             else:
-                return self._noise(scale * tn.tolerance("sum", t, dim=0, **kw).abs.reshape(g.shape), g.shape)
+                return scale * tn.tolerance("sum", t, dim=0, **kw).abs.reshape(g.shape)
             t64 = t.double()
             q, c = (t64 * t64).sum(0).reshape(g.shape), t64.sum(0).reshape(g.shape)
             # the terms may be rounded products (g * x_hat)
-            return self._variance_noise(q, c, t.shape[0], g.shape, exact_products=False, models=models)
+            return self._variance_amplitude(q, c, t.shape[0], g.shape, exact_products=False, models=models)
+
+        def fn(g: torch.Tensor) -> torch.Tensor:
+            deps = operands() if operands is not None else (terms(),)
+            return self._noise(self._amplitude("sum", deps, lambda: amplitude(g)), g.shape)
         return fn
 
     def _broadcast_sum_noise(self, t: torch.Tensor, slot: _Slot):
@@ -236,21 +268,22 @@ class NoiseInjector(TorchFunctionMode):
     def _norm_param_noise(self, call: OpCall, slot: _Slot) -> dict[int, Callable]:
         """Gradient noise of a norm's weight and bias: sums over the tokens of
         ``g * x_hat`` and ``g`` (see :meth:`_sum_noise`). Keys: argument positions 2, 3."""
-        x, shape = call.inputs[0].detach().double(), tuple(call.kwargs["normalized_shape"])
+        x_in = call.inputs[0].detach()
+        shape, eps = tuple(call.kwargs["normalized_shape"]), call.kwargs["eps"]
         dims = tuple(range(-len(shape), 0))
-        eps = call.kwargs["eps"]
-        if call.op == "layer_norm":
-            xc = x - x.mean(dims, keepdim=True)
-            xhat = xc / torch.sqrt((xc * xc).mean(dims, keepdim=True) + eps)
-        else:
-            xhat = x / torch.sqrt((x * x).mean(dims, keepdim=True) + eps)
+
+        def xhat() -> torch.Tensor:  # in backward, only when an amplitude is computed
+            x = x_in.double()
+            if call.op == "layer_norm":
+                x = x - x.mean(dims, keepdim=True)
+            return x / torch.sqrt((x * x).mean(dims, keepdim=True) + eps)
         out = {}
         w, b = call.kwargs.get("weight"), call.kwargs.get("bias")
-        x_in = call.inputs[0]
         # torch's CPU layer-norm backward chains dgamma/dbeta in the input's dtype (see _sum_noise)
         chain = call.op == "layer_norm" and x_in.device.type == "cpu" and x_in.dtype in (torch.bfloat16, torch.float16)
         if isinstance(w, torch.Tensor) and w.requires_grad:
-            out[2] = self._sum_noise(lambda: slot.g.double() * xhat, w.shape, w.dtype, chain)
+            out[2] = self._sum_noise(lambda: slot.g.double() * xhat(), w.shape, w.dtype, chain,
+                                     operands=lambda: (slot.g, x_in))
         if isinstance(b, torch.Tensor) and b.requires_grad:
             out[3] = self._sum_noise(lambda: slot.g, b.shape, b.dtype, chain)
         return out
@@ -272,7 +305,11 @@ class NoiseInjector(TorchFunctionMode):
         if call.op in ("linear", "matmul") and self._variance_applies(out, *call.inputs[:2]):
             a, w = call.inputs[0], call.inputs[1]
             bias = call.inputs[2] if len(call.inputs) > 2 else None
-            noise = self._gemm_noise(a, w.transpose(-1, -2) if call.op == "linear" else w, bias, out.shape)
+            noise = self._gemm_noise(a, w.transpose(-1, -2) if call.op == "linear" else w, bias, out.shape, out)
+        elif call.kind == "op":  # a model's bound: worth reusing (a rounding's costs less than a lookup)
+            kwargs_in = tuple(v for _, v in sorted(call.kwargs.items()))
+            noise = self._noise(self._amplitude(call.op, call.inputs + kwargs_in,
+                                                lambda: self.local.of(call, out, self.module_of()), out), out.shape)
         else:
             noise = self._noise(self.local.of(call, out, self.module_of()), out.shape)
         noisy = (out.detach().double() + noise).to(out.dtype)

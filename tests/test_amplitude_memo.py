@@ -1,0 +1,119 @@
+"""Noise amplitudes shared by the samples of one step (ttrace_num.propagate.memo).
+
+The memo may hand a sample the amplitude the first sample computed only for a call on the
+same kind of data: operands whose rows moved by noise (reused), not operands whose rows were
+replaced (a routing change), reshaped, or renamed (recomputed). And the noise drawn with
+reused amplitudes must be as large as the noise drawn with fresh ones.
+"""
+import torch
+import torch.nn.functional as F
+
+from examples.transformer_block import Block
+from ttrace_num.propagate.memo import AmplitudeMemo, row_fingerprint
+from ttrace_num.propagate.noise import NoiseInjector
+
+
+def _rows(n: int = 64, width: int = 256, seed: int = 0) -> torch.Tensor:
+    return torch.randn(n, width, generator=torch.Generator().manual_seed(seed))
+
+
+def _memo_after_first_sample(x: torch.Tensor, w: torch.Tensor) -> tuple[AmplitudeMemo, list[int]]:
+    memo, calls = AmplitudeMemo(), []
+    memo.get("matmul@fc", (x, w), lambda: calls.append(1) or torch.ones(1))
+    memo.rewind()
+    return memo, calls
+
+
+def test_noise_sized_changes_reuse_the_amplitude():
+    x, w = _rows(), _rows(32, 256, seed=1)
+    memo, calls = _memo_after_first_sample(x, w)
+    noisy = x * (1 + 0.02 * torch.randn(x.shape, generator=torch.Generator().manual_seed(2)))
+    out = memo.get("matmul@fc", (noisy, w), lambda: calls.append(2) or torch.zeros(1))
+    assert calls == [1] and out.item() == 1.0 and (memo.hits, memo.misses) == (1, 1)
+
+
+def test_a_replaced_row_is_recomputed_though_its_norm_is_the_same():
+    x, w = _rows(), _rows(32, 256, seed=1)
+    memo, calls = _memo_after_first_sample(x, w)
+    swapped = x.clone()
+    other = _rows(1, 256, seed=3)[0]
+    swapped[17] = other * (x[17].norm() / other.norm())  # another token, same norm
+    assert torch.allclose(row_fingerprint(swapped)[-1], row_fingerprint(x)[-1])
+    memo.get("matmul@fc", (swapped, w), lambda: calls.append(2) or torch.zeros(1))
+    assert calls == [1, 2] and memo.misses == 2
+
+
+def test_other_shape_name_or_position_is_recomputed():
+    x, w = _rows(), _rows(32, 256, seed=1)
+    for what, operands in (("matmul@fc", (x[:63], w)), ("matmul@other", (x, w)), ("matmul@fc", (x, w, 0.5))):
+        memo, calls = _memo_after_first_sample(x, w)
+        memo.get(what, operands, lambda: calls.append(2) or torch.zeros(1))
+        assert calls == [1, 2], what
+    memo, calls = _memo_after_first_sample(x, w)
+    memo.get("matmul@fc", (x, w), lambda: torch.zeros(1))  # position 0: a hit
+    memo.get("matmul@fc", (x, w), lambda: calls.append(3) or torch.zeros(1))  # position 1: nothing stored
+    assert calls == [1, 3]
+
+
+def test_a_broadcast_parameter_is_matched_through_the_output():
+    """A bias near 0 differs by O(1) of itself between the samples' trajectories; it is
+    matched through the result it is added to, which a replaced row still changes."""
+    x, bias = _rows(), torch.full((256,), 1e-3)
+    memo, calls = AmplitudeMemo(), []
+    memo.get("add@fc", (x, bias), lambda: calls.append(1) or torch.ones(1), output=x + bias)
+    memo.rewind()
+    memo.get("add@fc", (x, -bias), lambda: calls.append(2) or torch.ones(1), output=x - bias)
+    assert calls == [1]
+    memo.rewind()
+    y = x.clone()
+    y[3] = _rows(1, 256, seed=5)[0]
+    memo.get("add@fc", (y, bias), lambda: calls.append(3) or torch.ones(1), output=y + bias)
+    assert calls == [1, 3]
+
+
+def _block_deviation(memo: AmplitudeMemo | None, samples: int = 3) -> tuple[list[float], torch.Tensor]:
+    """Each sample's deviation of a transformer block's output and input gradient (bf16) from the clean run."""
+    block = Block(64, 4, seed=3)
+    x0 = torch.randn(48, 64, generator=torch.Generator().manual_seed(7)).bfloat16()
+
+    def run():
+        x = x0.clone().requires_grad_(True)
+        y = block(x)
+        F.mse_loss(y.float(), torch.zeros_like(y, dtype=torch.float32)).backward()
+        return torch.cat([y.detach().double().reshape(-1), x.grad.double().reshape(-1)])
+
+    clean = run()
+    gen = torch.Generator().manual_seed(11)
+    devs = []
+    for _ in range(samples):
+        if memo is not None:
+            memo.rewind()
+        with NoiseInjector(gen, mode="probabilistic", memo=memo):
+            devs.append(float((run() - clean).norm()))
+    return devs, clean
+
+
+def test_reused_amplitudes_give_noise_of_the_same_size():
+    memo = AmplitudeMemo()
+    with_memo, _ = _block_deviation(memo)
+    without, _ = _block_deviation(None)
+    assert memo.hits > 0 and memo.hits >= memo.misses  # the 2nd and 3rd samples reuse
+    # the samples' deviation sizes agree within their own sample-to-sample spread
+    lo, hi = min(without), max(without)
+    assert all(0.7 * lo <= d <= 1.3 * hi for d in with_memo), (with_memo, without)
+
+
+def test_a_wrong_reused_amplitude_would_be_caught_by_the_size_check():
+    """Negative control of the test above: reusing zero amplitudes shrinks the later samples' deviations."""
+    memo = AmplitudeMemo()
+    real_get = memo.get
+
+    def zeroed(what, operands, compute, output=None):
+        hits = memo.hits
+        out = real_get(what, operands, compute, output)
+        return torch.zeros_like(out) if memo.hits > hits else out
+    memo.get = zeroed
+    with_memo, _ = _block_deviation(memo)
+    without, _ = _block_deviation(None)
+    assert with_memo[0] >= 0.7 * min(without)  # the first sample computes its own
+    assert max(with_memo[1:]) < 0.7 * min(without)
