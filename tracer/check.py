@@ -177,8 +177,12 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
                            note=f"shape {list(cand_t.shape)} in the candidate vs {list(ref_t.shape)} in the "
                                 "reference (a wrong placement or a wrong computation)")
     r, c = ref_t.detach().double(), cand_t.detach().double()
-    rf, cf = torch.isfinite(r), torch.isfinite(c)
-    finite = bool(rf.all()) and bool(cf.all())  # the common case: no masking, no copies
+    # the common case, all finite, from two float64 sums (NaN/Inf propagate; values of a format
+    # up to fp32 cannot overflow them): no elementwise masks, no masking, no copies
+    finite = math.isfinite(float(r.sum()) + float(c.sum()))
+    if not finite:  # masks of the finite elements (a float64 sum may also overflow: test them)
+        rf, cf = torch.isfinite(r), torch.isfinite(c)
+        finite = bool(rf.all()) and bool(cf.all())
     ref_norm = float(torch.linalg.vector_norm(r if finite else r[rf])) if r.numel() else 0.0
     if not finite and not bool(torch.equal(rf, cf) and torch.equal(r[~rf].nan_to_num(1.0, 2.0, -2.0),
                                                                     c[~cf].nan_to_num(1.0, 2.0, -2.0))):
