@@ -45,3 +45,23 @@ def test_float64_values_whose_sum_overflows_are_finite():
     assert math.isinf(float(ref.sum()))
     row = _check_one(0, KEY, ENTRY, ref, ref.clone(), [], [ref.clone()] * 4, 1e-2, {})
     assert row.status == "ok"
+
+
+def test_float32_arithmetic_agrees_with_float64():
+    gen = torch.Generator().manual_seed(1)
+    ref = torch.randn(4096, generator=gen).bfloat16()
+    cand = (ref.float() + 0.01 * torch.randn(4096, generator=gen)).bfloat16()
+    noisy = [(ref.float() + 0.01 * torch.randn(4096, generator=gen)).bfloat16() for _ in range(4)]
+    fast = _check_one(0, KEY, ENTRY, ref, cand, [], noisy, 1e-2, {})
+    exact = _check_one(0, KEY, ENTRY, ref, cand, [], noisy, 1e-2, {}, torch.float64)
+    assert fast.error == pytest.approx(exact.error, rel=1e-5)
+    assert fast.threshold == pytest.approx(exact.threshold, rel=1e-5)
+    assert fast.n_eff == pytest.approx(exact.n_eff, rel=1e-4)
+
+
+def test_a_float32_overflow_falls_back_to_float64():
+    ref = torch.tensor([3e38, 1.0, 2.0], dtype=torch.float32)
+    cand = ref.clone()
+    cand[0] = -3e38  # the difference overflows float32, not float64
+    row = _check_one(0, KEY, ENTRY, ref, cand, [], [ref.clone()] * 4, 1e-2, {})
+    assert row.status == "over" and row.error == pytest.approx(6e38, rel=1e-6)

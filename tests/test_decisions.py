@@ -40,6 +40,8 @@ def test_choice_changes_unites_candidate_and_noise_samples():
     noise = torch.tensor([[3.0, 2.0, 1.9, 0.0], [3.0, 1.9, 1.0, 1.95]])
     change = choice_changes(ref, cand, [noise], 2)
     assert change.left_out.squeeze(-1).tolist() == [True, True] and change.in_candidate == 1
+    assert change.unsampled == 1  # token 0: the candidate's change, which no sample made
+    assert choice_changes(ref, cand, [noise, cand], 2).unsampled == 0
     assert "differs on 1 token(s) [0]" in change.note and "noise samples' differs on 1" in change.note
     none = choice_changes(ref, ref.clone(), [ref.clone()], 2)
     assert none.note == "" and not bool(none.left_out.any()) and none.in_candidate == 0
@@ -53,15 +55,17 @@ def _scores_and_grad() -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _write(root: Path, scores: torch.Tensor, grad: torch.Tensor, meta: dict, run_id: str) -> None:
-    """The router's scores and their gradient, and the layer's outputs that consume the choice:
-    per-token rows (the scores' row sums) and a scalar (their total)."""
+    """The router's scores and their gradient, the layer's outputs that consume the choice:
+    per-token rows (the scores' row sums) and a scalar (their total), and a tensor further
+    downstream (the same rows, without a consumer's meta)."""
     w = TraceWriter(root, 0, 1, {"layout": "test"}, "router-test", run_id=run_id)
     m = {"module": "moe.router", **meta}
     consumer = {"module": "moe", **(topk_consumer_meta("router") if meta else {})}
     w.add("moe.router.output", scores, phase="fwd", step=0, index=0, meta=m)
     w.add("moe.output.0", grad.sum(-1, keepdim=True), phase="fwd", step=0, index=1, meta=consumer)
     w.add("moe.output.1", grad.sum(), phase="fwd", step=0, index=2, meta=consumer)
-    w.add("moe.router.output_grad", grad, phase="bwd", step=0, index=3, meta=m)
+    w.add("next.output", grad.sum(-1, keepdim=True), phase="fwd", step=0, index=3, meta={"module": "next"})
+    w.add("moe.router.output_grad", grad, phase="bwd", step=0, index=4, meta=m)
     w.flush_step(0)
 
 
@@ -103,6 +107,8 @@ def test_legitimate_flip_is_left_out_of_the_gradient(tmp_path):
     assert "1 token(s) left out" in _row(c, "moe.output.0").note  # a consumer with token rows
     scalar = _row(c, "moe.output.1")  # a consumer without: not compared, and says why
     assert scalar.status == "unchecked" and "moe.router" in scalar.note and scalar.ratio > 1
+    after = _row(c, "next.output")  # downstream of a change no sample made: not compared, says why
+    assert after.status == "unchecked" and after.ratio > 1 and "no noise sample did (moe.router: 1 token(s))" in after.note
 
 
 def test_same_flip_without_the_topk_meta_is_a_false_positive(tmp_path):
@@ -110,7 +116,8 @@ def test_same_flip_without_the_topk_meta_is_a_false_positive(tmp_path):
     ref, cand = _traces(tmp_path, 3e-4, swap_grad_row=True, meta={})
     c = compare(ref, cand)
     assert c.first is not None and c.first.name == "moe.output.0"
-    assert {r.name for r in c.rows if r.status == "over"} == {"moe.output.0", "moe.output.1", "moe.router.output_grad"}
+    assert {r.name for r in c.rows if r.status == "over"} == {"moe.output.0", "moe.output.1", "next.output",
+                                                              "moe.router.output_grad"}
 
 
 def test_wrong_selection_with_agreeing_scores_is_caught(tmp_path):
@@ -120,6 +127,7 @@ def test_wrong_selection_with_agreeing_scores_is_caught(tmp_path):
     c = compare(ref, cand)
     assert c.first is not None and c.first.name == "moe.output.0"
     assert all("left out" not in r.note and r.status != "unchecked" for r in c.rows)
+    assert _row(c, "next.output").status == "over"  # no legitimate change: downstream is compared
 
 
 def test_scores_over_threshold_leave_nothing_out(tmp_path):

@@ -164,9 +164,25 @@ def _worst_ranks(full_shape: tuple[int, ...], flat_index: int, entries: dict[int
     return sorted(out)
 
 
+#: stored dtypes whose comparison arithmetic runs in float32 (module :func:`_check_one`)
+_FLOAT32_WORK = (torch.float32, torch.bfloat16, torch.float16)
+
+
 def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, cand_t: torch.Tensor,
                notes: list[str], noisy: list[torch.Tensor], false_alarm: float,
-               cand_entries: dict[int, dict[str, Any]]) -> TensorCheck:
+               cand_entries: dict[int, dict[str, Any]], work: torch.dtype | None = None) -> TensorCheck:
+    """The verdict on one tensor (module doc).
+
+    Arithmetic runs in ``work``: by default float32 for tensors stored in fp32/bf16/fp16 (half
+    the memory traffic of float64; the differences of two such values are exact in float32
+    unless they are more than 2x apart, and the norms and squared deviations carry a relative
+    error of ~1e-6, far below what a threshold resolves), float64 otherwise, and float64 again
+    when a float32 result is not finite (squares beyond 3e38)."""
+    if work is None and ref_t.dtype in _FLOAT32_WORK and cand_t.dtype in _FLOAT32_WORK:
+        row = _check_one(step, key, ref_e, ref_t, cand_t, notes, noisy, false_alarm, cand_entries, torch.float32)
+        if row.status == "nonfinite" or all(map(math.isfinite, (row.error, row.threshold, row.ref_norm))):
+            return row
+    work = torch.float64 if work is None else work
     phase, name, mb, call = key
     base = dict(step=step, phase=phase, name=name, microbatch=mb, call=call, index=int(ref_e["index"]),
                 module=str(ref_e["meta"].get("module", ref_e["meta"].get("param", ""))),
@@ -176,11 +192,11 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
                            max_abs=math.inf, ref_norm=float(ref_t.double().norm()),
                            note=f"shape {list(cand_t.shape)} in the candidate vs {list(ref_t.shape)} in the "
                                 "reference (a wrong placement or a wrong computation)")
-    r, c = ref_t.detach().double(), cand_t.detach().double()
-    # the common case, all finite, from two float64 sums (NaN/Inf propagate; values of a format
-    # up to fp32 cannot overflow them): no elementwise masks, no masking, no copies
+    r, c = ref_t.detach().to(work), cand_t.detach().to(work)
+    # the common case, all finite, from two sums (NaN/Inf propagate): no elementwise masks, no
+    # masking, no copies
     finite = math.isfinite(float(r.sum()) + float(c.sum()))
-    if not finite:  # masks of the finite elements (a float64 sum may also overflow: test them)
+    if not finite:  # masks of the finite elements (a sum may also overflow: test them)
         rf, cf = torch.isfinite(r), torch.isfinite(c)
         finite = bool(rf.all()) and bool(cf.all())
     ref_norm = float(torch.linalg.vector_norm(r if finite else r[rf])) if r.numel() else 0.0
@@ -204,7 +220,7 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
     if not noisy:
         return TensorCheck(**base, status="unchecked", error=error, threshold=math.nan, ratio=math.nan,
                            max_abs=max_abs, ref_norm=ref_norm, note="no noise sample traced this tensor")
-    devs = [finite_part(n.detach().double()) for n in noisy]
+    devs = [finite_part(n.detach().to(work)) for n in noisy]
     th = deviation_threshold([d - rr if excess is None else excess(d) for d in devs], false_alarm)
     if th.threshold == 0.0 and ref_t.is_floating_point():
         th = unmodelled_threshold(rr, ref_t.dtype)
@@ -276,6 +292,26 @@ def _check_routed(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tenso
         if change.note:
             changed[(step, module, key[2], key[3])] = change
             row.note = "; ".join(x for x in (row.note, change.note) if x)
+    return row
+
+
+def _downstream_of_choices(row: TensorCheck, meta: dict[str, Any],
+                           changed: dict[tuple[int, str, int, int], ChoiceChange]) -> TensorCheck:
+    """``row`` reported ``unchecked`` instead of ``over`` when it is a forward, backward or loss
+    tensor of a step and microbatch in which the candidate changed a top-k choice that no noise
+    sample changed, recorded earlier in execution order (step 4 of :mod:`tracer.decisions`);
+    the scores and their consumers (meta) are compared as they are."""
+    if row.status != "over" or row.phase not in ("fwd", "bwd", "loss") or TOPK_META in meta \
+            or TOPK_CONSUMER_META in meta:
+        return row
+    causes = [(module, c.unsampled) for (step, module, mb, _), c in changed.items()
+              if step == row.step and mb == row.microbatch and c.unsampled]
+    if causes:
+        row.status = "unchecked"
+        row.note = "; ".join(x for x in (row.note, (
+            f"not compared (ratio {row.ratio:.3g} for the record): downstream of a top-k choice the candidate "
+            f"legitimately changed and no noise sample did ({', '.join(f'{m}: {n} token(s)' for m, n in causes)}), "
+            "which the thresholds do not describe (tracer.decisions)")) if x)
     return row
 
 
@@ -404,7 +440,9 @@ def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str
             rows.append(_check_stats(s, k, ref_e, ref_t, cand_entries, noisy, per_tensor))
         else:
             cand_t, notes = _full(cand, s, cand_entries, k[1])
-            rows.append(_check_routed(s, k, ref_e, ref_t, cand_t, notes, noisy, per_tensor, cand_entries, changed))
+            rows.append(_downstream_of_choices(
+                _check_routed(s, k, ref_e, ref_t, cand_t, notes, noisy, per_tensor, cand_entries, changed),
+                ref_e["meta"], changed))
         if bar is not None:
             bar.update(1)
     if bar is not None:

@@ -153,7 +153,7 @@ def tensor_stats(t: torch.Tensor, quantiles: tuple[float, ...] = QUANTILES,
         x = torch.view_as_real(x).reshape(-1)
     nan_count = inf_count = 0
     norms, sums, absmax = [], [], 0.0
-    for c in (torch.split(x, chunk) if x.numel() else ()):
+    for c in (() if not x.numel() else (x,) if x.numel() <= chunk else torch.split(x, chunk)):
         if c.dtype not in _NATIVE_STATS_DTYPES:  # FP8, integers, bool: no reduction kernels for all
             c = c.to(torch.float64)
         lo, hi = torch.aminmax(c)
