@@ -279,11 +279,9 @@ def _check_routed(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tenso
         if change.in_candidate:
             row = _check_one(step, key, ref_e, ref_t, cand_t, notes, noisy, false_alarm, cand_entries)
             if row.status in ("ok", "over"):
-                row.status = "unchecked"
-                row.note = "; ".join(x for x in (row.note, (
-                    f"not compared (ratio {row.ratio:.3g} for the record): it depends on the top-k choice of "
-                    f"{scores_of}, which legitimately differs on {change.in_candidate} token(s) of this "
-                    "microbatch, and has no token rows to leave them out (tracer.decisions)")) if x)
+                _not_compared(row, f"it depends on the top-k choice of {scores_of}, which legitimately differs on "
+                                   f"{change.in_candidate} token(s) of this microbatch, and has no token rows to "
+                                   "leave them out")
             return row
     row = _check_one(step, key, ref_e, ref_t, cand_t, notes, noisy, false_alarm, cand_entries)
     topk = meta.get(TOPK_META)
@@ -307,12 +305,17 @@ def _downstream_of_choices(row: TensorCheck, meta: dict[str, Any],
     causes = [(module, c.unsampled) for (step, module, mb, _), c in changed.items()
               if step == row.step and mb == row.microbatch and c.unsampled]
     if causes:
-        row.status = "unchecked"
-        row.note = "; ".join(x for x in (row.note, (
-            f"not compared (ratio {row.ratio:.3g} for the record): downstream of a top-k choice the candidate "
-            f"legitimately changed and no noise sample did ({', '.join(f'{m}: {n} token(s)' for m, n in causes)}), "
-            "which the thresholds do not describe (tracer.decisions)")) if x)
+        _not_compared(row, "downstream of a top-k choice the candidate legitimately changed and no noise sample "
+                           f"did ({', '.join(f'{m}: {n} token(s)' for m, n in causes)}), which the thresholds do "
+                           "not describe")
     return row
+
+
+def _not_compared(row: TensorCheck, why: str) -> None:
+    """Mark ``row`` ``unchecked`` because of a top-k choice, keeping its ratio in the note."""
+    row.status = "unchecked"
+    row.note = "; ".join(x for x in (row.note, f"not compared (ratio {row.ratio:.3g} for the record): {why} "
+                                               "(tracer.decisions)") if x)
 
 
 def _fits(mask: torch.Tensor, t: torch.Tensor) -> bool:
