@@ -384,7 +384,8 @@ def clean_markdown(rows: list[CleanRow], command: str, total_s: float) -> str:
     fps = [(r, fp) for r in rows for fp in r.false_positives]
     lines += ["", (f"False positives: {len(fps)} tensor(s) over threshold in "
                    f"{sum(r.tensors for r in rows)} compared; {sum(r.unchecked for r in rows)} unchecked (no "
-                   "noise sample moved them, or they consume a top-k choice that legitimately changed).")]
+                   "noise sample traced them, or they consume or follow a top-k choice that legitimately "
+                   "changed: tracer.decisions).")]
     for r, fp in fps[:20]:
         lines.append(f"- {r.layout} {r.dtype} seed {fp['seed']} step {fp['step']} {fp['phase']} {fp['name']} "
                      f"(mb {fp['microbatch']}): {fp['status']}, ratio {_fmt_ratio(fp['ratio'])} {fp['note']}")
