@@ -1,4 +1,5 @@
-"""tracer.check's per-tensor verdict on NaN/Inf (the all-finite fast path must not hide them)."""
+"""tracer.check's per-tensor verdicts: NaN/Inf (the all-finite fast path must not hide them), float32
+arithmetic against float64, and the threshold of a tensor no noise sample moved."""
 import math
 
 import pytest
@@ -65,3 +66,15 @@ def test_a_float32_overflow_falls_back_to_float64():
     cand[0] = -3e38  # the difference overflows float32, not float64
     row = _check_one(0, KEY, ENTRY, ref, cand, [], [ref.clone()] * 4, 1e-2, {})
     assert row.status == "over" and row.error == pytest.approx(6e38, rel=1e-6)
+
+
+def test_a_tensor_no_sample_moved_gets_two_ulp():
+    """Every sample rounded to the reference's value (an fp32 loss): the threshold is 2 ulp, so
+    the float64 sum of rounded partial losses 1.125 ulp away passes and 2.5 ulp does not."""
+    ref = torch.tensor(2.0638, dtype=torch.float32)
+    ulp = 2.0 ** -22  # fp32 spacing in [2, 4)
+    noisy = [ref.clone()] * 4
+    ok = _check_one(0, ("loss", "loss", 1, 0), ENTRY, ref, ref.double() + 1.125 * ulp, [], noisy, 1e-2, {})
+    assert ok.status == "ok" and ok.threshold == pytest.approx(2 * ulp) and ok.ratio == pytest.approx(0.5625)
+    bad = _check_one(0, ("loss", "loss", 1, 0), ENTRY, ref, ref.double() + 2.5 * ulp, [], noisy, 1e-2, {})
+    assert bad.status == "over"
