@@ -152,6 +152,9 @@ class MegatronTracer:
             self.offsets = [layer_offset(self.par["pp_rank"], self.par["pp"], config.num_layers, vpp_chunk,
                                          self.par["vpp"] if vpp_chunk is not None else None)]
         self._classes = {n: type(m).__name__ for n, m in self.model.named_modules()}
+        # per-record lookups that depend only on names (and a tensor's rank): computed once
+        self._canonical: dict[str, str] = {}
+        self._activation_placements: dict[tuple[str, str, int], dict[str, Any]] = {}
         skipped = [n for n, c in self._classes.items() if c in _SKIPPED_CLASSES]
         # containers whose records depend on the pipeline stage (the root returns hidden states
         # on all but the last stage; the decoder block holds a stage's layers): their children
@@ -183,10 +186,12 @@ class MegatronTracer:
 
     def canonical_name(self, local: str) -> str:
         """Single-device name of a local module or parameter name."""
-        c, inner = self._chunk(local)
-        if re.search(r"(^|\.)layers\.\d+(\.|$)", inner):
-            return renumber(inner, "layers", self.offsets[c])
-        return inner
+        name = self._canonical.get(local)
+        if name is None:
+            c, inner = self._chunk(local)
+            name = renumber(inner, "layers", self.offsets[c]) if re.search(r"(^|\.)layers\.\d+(\.|$)", inner) else inner
+            self._canonical[local] = name
+        return name
 
     def _param_name(self, local: str) -> tuple[str, bool]:
         """(canonical name, is the tied copy of the word embeddings on the last stage)."""
@@ -208,7 +213,14 @@ class MegatronTracer:
         return [_tp(self.par, rule[1])]
 
     def activation_placement(self, local: str, name: str, t: torch.Tensor) -> dict[str, Any]:
-        """Placement of a module record ``name`` (canonical) of local module ``local``."""
+        """Placement of a module record ``name`` (canonical) of local module ``local`` (the
+        writer copies it; computed once per module, record and tensor rank)."""
+        key = (local, name, t.dim())
+        if key not in self._activation_placements:
+            self._activation_placements[key] = self._activation_placement(local, name, t)
+        return self._activation_placements[key]
+
+    def _activation_placement(self, local: str, name: str, t: torch.Tensor) -> dict[str, Any]:
         cls = self._classes.get(local, "")
         rules = ACTIVATION_RULES.get(cls) or ({"*": "seq"} if cls in _NORMS or "Norm" in cls else {"*": "rep"})
         suffix = name[len(self.canonical_name(local)):].lstrip(".")
