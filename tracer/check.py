@@ -178,11 +178,6 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
     unless they are more than 2x apart, and the norms and squared deviations carry a relative
     error of ~1e-6, far below what a threshold resolves), float64 otherwise, and float64 again
     when a float32 result is not finite (squares beyond 3e38)."""
-    if work is None and ref_t.dtype in _FLOAT32_WORK and cand_t.dtype in _FLOAT32_WORK:
-        row = _check_one(step, key, ref_e, ref_t, cand_t, notes, noisy, false_alarm, cand_entries, torch.float32)
-        if row.status == "nonfinite" or all(map(math.isfinite, (row.error, row.threshold, row.ref_norm))):
-            return row
-    work = torch.float64 if work is None else work
     phase, name, mb, call = key
     base = dict(step=step, phase=phase, name=name, microbatch=mb, call=call, index=int(ref_e["index"]),
                 module=str(ref_e["meta"].get("module", ref_e["meta"].get("param", ""))),
@@ -192,6 +187,11 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
                            max_abs=math.inf, ref_norm=float(ref_t.double().norm()),
                            note=f"shape {list(cand_t.shape)} in the candidate vs {list(ref_t.shape)} in the "
                                 "reference (a wrong placement or a wrong computation)")
+    if work is None and ref_t.dtype in _FLOAT32_WORK and cand_t.dtype in _FLOAT32_WORK:
+        row = _check_one(step, key, ref_e, ref_t, cand_t, notes, noisy, false_alarm, cand_entries, torch.float32)
+        if row.status == "nonfinite" or not any(map(math.isinf, (row.error, row.threshold, row.ref_norm))):
+            return row  # else a float32 overflow: again in float64
+    work = torch.float64 if work is None else work
     r, c = ref_t.detach().to(work), cand_t.detach().to(work)
     # the common case, all finite, from two sums (NaN/Inf propagate): no elementwise masks, no
     # masking, no copies
