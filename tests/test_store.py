@@ -3,6 +3,7 @@ import errno
 import json
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -348,3 +349,11 @@ def test_meta_that_json_refuses_is_refused(value):
         json.dumps(value, allow_nan=False)
     with pytest.raises(TraceError, match="meta must be JSON-serialisable"):
         _jsonable(value, "meta")
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 1000, 1024])
+def test_quantiles_are_numpys_linear_interpolation(n):
+    s = torch.randn(n, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
+    # the same order statistics and weights; numpy's lerp may round the last bit differently
+    assert store._quantiles(s, store.QUANTILES) == pytest.approx(np.quantile(s.numpy(), store.QUANTILES).tolist(),
+                                                              rel=1e-15, abs=1e-300)

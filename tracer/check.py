@@ -177,7 +177,7 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
     the memory traffic of float64; the differences of two such values are exact in float32
     unless they are more than 2x apart, and the norms and squared deviations carry a relative
     error of ~1e-6, far below what a threshold resolves), float64 otherwise, and float64 again
-    when a float32 result is not finite (squares beyond 3e38)."""
+    when a float32 result overflows to infinity (squares beyond 3e38)."""
     phase, name, mb, call = key
     base = dict(step=step, phase=phase, name=name, microbatch=mb, call=call, index=int(ref_e["index"]),
                 module=str(ref_e["meta"].get("module", ref_e["meta"].get("param", ""))),
@@ -212,15 +212,15 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
     def finite_part(x: torch.Tensor) -> torch.Tensor:  # the reference's non-finite positions zeroed
         return x if finite else x.masked_fill(~rf, 0.0)
 
-    rr = finite_part(r)
+    rr, cc = finite_part(r), finite_part(c)
     excess = _storage_rounding_excess(phase, ref_t.dtype, rr)
-    diff = finite_part(c) - rr
+    diff = cc - rr
     max_abs = float(diff.abs().max()) if diff.numel() else 0.0
-    error = float(torch.linalg.vector_norm(diff if excess is None else excess(finite_part(c)))) if diff.numel() else 0.0
+    error = float(torch.linalg.vector_norm(diff if excess is None else excess(cc))) if diff.numel() else 0.0
     if not noisy:
         return TensorCheck(**base, status="unchecked", error=error, threshold=math.nan, ratio=math.nan,
                            max_abs=max_abs, ref_norm=ref_norm, note="no noise sample traced this tensor")
-    devs = [finite_part(n.detach().to(work)) for n in noisy]
+    devs = (finite_part(n.detach().to(work)) for n in noisy)  # one converted sample at a time
     th = deviation_threshold([d - rr if excess is None else excess(d) for d in devs], false_alarm)
     if th.threshold == 0.0 and ref_t.is_floating_point():
         th = unmodelled_threshold(rr, ref_t.dtype)

@@ -193,8 +193,8 @@ def tensor_stats(t: torch.Tensor, quantiles: tuple[float, ...] = QUANTILES,
 
 def _quantiles(sample: torch.Tensor, quantiles: tuple[float, ...]) -> list[float | None]:
     """Quantiles of a 1-D float64 sample by linear interpolation between order statistics
-    (numpy's default, as ``torch.quantile``), from one sort (``torch.quantile`` costs ~5x
-    a sort of a small sample in per-call overhead)."""
+    (numpy's default, as ``torch.quantile``), from one sort: ``np.quantile`` costs 2.5x this
+    on 1024 elements and ``torch.quantile`` more, in per-call overhead."""
     n = sample.numel()
     if n == 0:
         return [None] * len(quantiles)

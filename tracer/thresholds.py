@@ -144,6 +144,6 @@ def deviation_threshold(deviations: list[torch.Tensor], false_alarm: float = DEF
 def unmodelled_threshold(ref: torch.Tensor, dtype: torch.dtype) -> NoiseThreshold:
     """``T = 2 ||ulp(ref)||_2`` in ``dtype``'s format, for a tensor no noise sample moved (module doc)."""
     from ttrace_num.formats import get_format, half_ulp
-    ulp = 4 * half_ulp(ref.detach().double().abs(), get_format(dtype))
-    t = float(torch.linalg.vector_norm(ulp))
+    two_ulp = 4 * half_ulp(ref.detach().double().abs(), get_format(dtype))
+    t = float(torch.linalg.vector_norm(two_ulp))
     return NoiseThreshold(t, 0.0, float(ref.numel()), 1.0, 0)

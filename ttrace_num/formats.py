@@ -323,18 +323,16 @@ def half_ulp(t: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     if fmt.emin + log2_u >= -1022:  # every result is a normal float64 2**k: build it from its bits
         k = ((t.view(torch.int64) >> 52) - 1023).clamp_(min=fmt.emin).add_(log2_u + 1023)
         out = (k << 52).view(torch.float64)  # floor(log2 t) from the float64 exponent field
-    else:  # float64 itself: its half-ulp underflows to float64 subnormals
-        _, exp = torch.frexp(t)  # t = mant * 2**exp, mant in [0.5, 1)
-        out = torch.ldexp(torch.full_like(t, fmt.u), (exp - 1).clamp(min=fmt.emin).to(torch.float64))
-    # 0 at t = 0 (exact in every format) and NaN at NaN, without a mask: t * 2**(1074 - p + emin)
-    # is >= the result for every t > 0 (>= its smallest value at t = 2**-1074, >= u t above)
-    if fmt.emin + log2_u >= -1022:
+        # 0 at t = 0 (exact in every format) and NaN at NaN, without a mask: t * 2**(1074 - p + emin)
+        # is >= the result for every t > 0 (>= its smallest value at t = 2**-1074, >= u t above)
         scale = 1074 + fmt.emin + log2_u
         zero_at_zero = t * 2.0 ** min(scale, 1023)
         if scale > 1023:  # formats with a tiny range (FP4, FP6, FP8): a second, exact scaling
             zero_at_zero = zero_at_zero * 2.0 ** (scale - 1023)
         out = torch.minimum(out, zero_at_zero)
-    else:
+    else:  # float64 itself: its half-ulp underflows to float64 subnormals
+        _, exp = torch.frexp(t)  # t = mant * 2**exp, mant in [0.5, 1)
+        out = torch.ldexp(torch.full_like(t, fmt.u), (exp - 1).clamp(min=fmt.emin).to(torch.float64))
         out.masked_fill_(t == 0, 0.0)
         out.masked_fill_(t.isnan(), math.nan)
     if not fmt.subnormals:
