@@ -217,7 +217,9 @@ def ensure_traces(root: Path, dtype: str, *, steps: int, seed: int, noise_sample
     from examples.megatron_cpu.demo import CANDIDATE, trace_runs
     log(f"  {dtype}: tracing reference ({noise_samples} noise samples) and clean candidate "
         f"{CANDIDATE} for {steps} steps into {out} ...")
-    trace_runs(out, steps=steps, seed=seed, dtype=dtype, bug=None, noise_samples=noise_samples, log=log)
+    # the samples whole: the coherent scale of each sample is reported (column `legit scale`)
+    trace_runs(out, steps=steps, seed=seed, dtype=dtype, bug=None, noise_samples=noise_samples,
+               noise_store="tensors", log=log)
     return out
 
 

@@ -270,6 +270,33 @@ def test_half_ulp_at_zero_nan_and_float64_subnormals(fmt):
         h[3:5].tolist() == [fmt.subnormal_abs_error] * 2
 
 
+FLOAT32_HALF_ULP_FORMATS = [f for f in HALF_ULP_FORMATS if f.name not in ("fp32",)]
+
+
+@pytest.mark.parametrize("fmt", FLOAT32_HALF_ULP_FORMATS, ids=str)
+@pytest.mark.parametrize("src", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_half_ulp_in_float32_equals_float64(fmt, src):
+    """The float32 path builds the same powers of two as the float64 one, subnormal results,
+    zero, NaN and overflow included."""
+    gen = torch.Generator().manual_seed(7)
+    t = torch.cat([_log_uniform(fmt, 20000, gen, lo_extra=30, hi_extra=30),
+                   torch.tensor([0.0, float("nan"), float("inf"), 1e-45, 3e38], dtype=torch.float64)])
+    t = (t * torch.where(torch.rand(t.shape, generator=gen) < 0.5, -1.0, 1.0).double()).to(src)
+    h32 = half_ulp(t, fmt, torch.float32)
+    assert h32.dtype == torch.float32
+    assert torch.equal(h32.double().nan_to_num(-1.0), half_ulp(t.double(), fmt).nan_to_num(-1.0))
+
+
+def test_half_ulp_in_float32_refuses_what_it_cannot_represent():
+    """fp32's own half-ulp of subnormals (2**-150) and e8m0's range (emin -127) are not float32
+    numbers; a float64 input would be rounded: each gets a ValueError naming the way out."""
+    for t, fmt in ((torch.ones(3), "fp32"), (torch.ones(3), "e8m0"), (torch.ones(3, dtype=torch.float64), "bf16")):
+        with pytest.raises(ValueError, match="dtype=torch.float64"):
+            half_ulp(t, get_format(fmt), torch.float32)
+    with pytest.raises(ValueError, match="float64 or float32"):
+        half_ulp(torch.ones(3), get_format("bf16"), torch.float16)
+
+
 @pytest.mark.parametrize("fmt", HALF_ULP_FORMATS + [get_format("e8m0")], ids=str)
 def test_round_to_error_is_within_half_ulp(fmt):
     gen = torch.Generator().manual_seed(99)

@@ -35,7 +35,10 @@ from tracer.canonical import Placement, assemble, shard
 from tracer.decisions import TOPK_CONSUMER_META, TOPK_META, ChoiceChange, choice_changes, without_choices
 from tracer.errors import IncomparableRunsError, TraceError
 from tracer.store import TraceReader
-from tracer.thresholds import DEFAULT_FALSE_ALARM, deviation_threshold, noise_threshold, unmodelled_threshold
+from tracer.deviation import (DEVIATION_FIELD, DeviationOf, SampleMoments, combined_moments, entry_key,
+                              work_dtype)
+from tracer.thresholds import (DEFAULT_FALSE_ALARM, deviation_threshold, moments_threshold, noise_threshold,
+                               unmodelled_threshold)
 
 __all__ = ["Comparison", "TensorCheck", "assembled_records", "compare", "localise", "noise_dirs"]
 
@@ -116,16 +119,12 @@ def noise_dirs(ref_root: str | Path) -> list[Path]:
     return sorted(p for p in base.glob("sample_*") if (p / "run.json").is_file()) if base.is_dir() else []
 
 
-def _key(e: dict[str, Any]) -> Key:
-    return (e["phase"], e["name"], int(e["microbatch"]), int(e["meta"].get("call", 0)))
-
-
 def _index_by_key(reader: TraceReader, step: int) -> dict[Key, dict[int, dict[str, Any]]]:
     """key -> {rank: entry} over every present rank of ``step``."""
     out: dict[Key, dict[int, dict[str, Any]]] = defaultdict(dict)
     for rank in reader.ranks(step):
         for e in reader.entries(step, rank):
-            out[_key(e)][rank] = e
+            out[entry_key(e)][rank] = e
     return out
 
 
@@ -164,20 +163,15 @@ def _worst_ranks(full_shape: tuple[int, ...], flat_index: int, entries: dict[int
     return sorted(out)
 
 
-#: stored dtypes whose comparison arithmetic runs in float32 (module :func:`_check_one`)
-_FLOAT32_WORK = (torch.float32, torch.bfloat16, torch.float16)
-
-
 def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, cand_t: torch.Tensor,
-               notes: list[str], noisy: list[torch.Tensor], false_alarm: float,
+               notes: list[str], noisy: "list[torch.Tensor] | SampleMoments", false_alarm: float,
                cand_entries: dict[int, dict[str, Any]], work: torch.dtype | None = None) -> TensorCheck:
-    """The verdict on one tensor (module doc).
+    """The verdict on one tensor (module doc); ``noisy``: the noise samples, whole or as their
+    moments (:mod:`tracer.deviation`).
 
     Arithmetic runs in ``work``: by default float32 for tensors stored in fp32/bf16/fp16 (half
-    the memory traffic of float64; the differences of two such values are exact in float32
-    unless they are more than 2x apart, and the norms and squared deviations carry a relative
-    error of ~1e-6, far below what a threshold resolves), float64 otherwise, and float64 again
-    when a float32 result overflows to infinity (squares beyond 3e38)."""
+    the memory traffic of float64, :func:`~tracer.deviation.work_dtype`), float64 otherwise,
+    and float64 again when a float32 result overflows to infinity (squares beyond 3e38)."""
     phase, name, mb, call = key
     base = dict(step=step, phase=phase, name=name, microbatch=mb, call=call, index=int(ref_e["index"]),
                 module=str(ref_e["meta"].get("module", ref_e["meta"].get("param", ""))),
@@ -187,7 +181,7 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
                            max_abs=math.inf, ref_norm=float(ref_t.double().norm()),
                            note=f"shape {list(cand_t.shape)} in the candidate vs {list(ref_t.shape)} in the "
                                 "reference (a wrong placement or a wrong computation)")
-    if work is None and ref_t.dtype in _FLOAT32_WORK and cand_t.dtype in _FLOAT32_WORK:
+    if work is None and work_dtype(ref_t.dtype, cand_t.dtype) == torch.float32:
         row = _check_one(step, key, ref_e, ref_t, cand_t, notes, noisy, false_alarm, cand_entries, torch.float32)
         if row.status == "nonfinite" or not any(map(math.isinf, (row.error, row.threshold, row.ref_norm))):
             return row  # else a float32 overflow: again in float64
@@ -196,6 +190,7 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
     # the common case, all finite, from two sums (NaN/Inf propagate): no elementwise masks, no
     # masking, no copies
     finite = math.isfinite(float(r.sum()) + float(c.sum()))
+    rf = None
     if not finite:  # masks of the finite elements (a sum may also overflow: test them)
         rf, cf = torch.isfinite(r), torch.isfinite(c)
         finite = bool(rf.all()) and bool(cf.all())
@@ -208,22 +203,18 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
                            max_abs=math.inf, ref_norm=ref_norm,
                            note=f"NaN/Inf pattern differs from the reference: {int((~cf).sum())} non-finite "
                                 f"in the candidate, {int((~rf).sum())} in the reference;{where}")
-
-    def finite_part(x: torch.Tensor) -> torch.Tensor:  # the reference's non-finite positions zeroed
-        return x if finite else x.masked_fill(~rf, 0.0)
-
-    rr, cc = finite_part(r), finite_part(c)
-    excess = _storage_rounding_excess(phase, ref_t.dtype, rr)
-    diff = cc - rr
+    dev = DeviationOf(r, ref_t.dtype, phase, finite=True if rf is None else rf)
+    cc = dev.part(c)
+    diff = cc - dev.ref
     max_abs = float(diff.abs().max()) if diff.numel() else 0.0
-    error = float(torch.linalg.vector_norm(diff if excess is None else excess(cc))) if diff.numel() else 0.0
+    error = float(torch.linalg.vector_norm(diff if dev.excess is None else dev.excess(cc))) if diff.numel() else 0.0
     if not noisy:
         return TensorCheck(**base, status="unchecked", error=error, threshold=math.nan, ratio=math.nan,
                            max_abs=max_abs, ref_norm=ref_norm, note="no noise sample traced this tensor")
-    devs = (finite_part(n.detach().to(work)) for n in noisy)  # one converted sample at a time
-    th = deviation_threshold([d - rr if excess is None else excess(d) for d in devs], false_alarm)
+    th = (moments_threshold(noisy.z, noisy.m_sq, false_alarm) if isinstance(noisy, SampleMoments)
+          else deviation_threshold([dev(n) for n in noisy], false_alarm))  # one converted sample at a time
     if th.threshold == 0.0 and ref_t.is_floating_point():
-        th = unmodelled_threshold(rr, ref_t.dtype)
+        th = unmodelled_threshold(dev.ref, ref_t.dtype)
     ratio = error / th.threshold if th.threshold > 0 else (0.0 if error == 0 else math.inf)
     status = "over" if ratio > 1 else "ok"
     note = "; ".join(notes)
@@ -236,27 +227,8 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
                        ref_norm=ref_norm, n_eff=th.n_eff, factor=th.factor, worst_ranks=worst, note=note)
 
 
-def _storage_rounding_excess(phase: str, dtype: torch.dtype, ref: torch.Tensor):
-    """``x -> |x - ref|`` elementwise, less one unit in the last place of the stored format,
-    for parameters after the update (phase ``param``) stored in a format narrower than fp32;
-    ``None`` otherwise (the error is then ``|x - ref|`` itself).
-
-    Such a parameter is the rounding of an fp32 main parameter; two runs whose main
-    parameters differ legitimately by far less than an ulp of the stored format still store
-    values one ulp apart when they straddle a rounding boundary. That flip is legitimate and
-    is at most one ulp of the larger magnitude (round to nearest of two values that differ by
-    less than an ulp), so only the part of a difference beyond it is counted, in the
-    candidate's error and in the noise samples' deviations alike.
-    """
-    if phase != "param" or dtype not in (torch.bfloat16, torch.float16):
-        return None
-    from ttrace_num.formats import get_format, half_ulp
-    fmt = get_format(dtype)
-    return lambda x: ((x - ref).abs() - 2 * half_ulp(torch.maximum(x.abs(), ref.abs()), fmt)).clamp_min(0.0)
-
-
 def _check_routed(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, cand_t: torch.Tensor,
-                  notes: list[str], noisy: list[torch.Tensor], false_alarm: float,
+                  notes: list[str], noisy: "list[torch.Tensor] | SampleMoments", false_alarm: float,
                   cand_entries: dict[int, dict[str, Any]],
                   changed: dict[tuple[int, str, int, int], ChoiceChange]) -> TensorCheck:
     """:func:`_check_one` with top-k choices (:mod:`tracer.decisions`): a module's scores,
@@ -345,8 +317,8 @@ def _stats_norm(entries: dict[int, dict[str, Any]]) -> float | None:
 
 
 def _check_stats(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor,
-                 cand_entries: dict[int, dict[str, Any]], noisy: list[torch.Tensor], false_alarm: float
-                 ) -> TensorCheck:
+                 cand_entries: dict[int, dict[str, Any]], noisy: "list[torch.Tensor] | SampleMoments",
+                 false_alarm: float) -> TensorCheck:
     """A candidate traced in statistics-only mode: ``| ||c|| - ||r|| | <= ||c - r||`` (reverse
     triangle inequality) is a lower bound of the error, so exceeding the threshold with it is
     a sound detection (a difference that keeps the norm goes unseen)."""
@@ -366,7 +338,8 @@ def _check_stats(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor
         return TensorCheck(**base, status="unchecked", error=math.nan, threshold=math.nan, ratio=math.nan,
                            max_abs=math.nan, ref_norm=ref_norm,
                            note="stats-only candidate: no norm to compare (pending sum, NaN/Inf or no noise)")
-    th = noise_threshold(r, [n.double() for n in noisy], false_alarm)
+    th = (moments_threshold(noisy.z, noisy.m_sq, false_alarm) if isinstance(noisy, SampleMoments)
+          else noise_threshold(r, [n.double() for n in noisy], false_alarm))
     if th.threshold == 0.0 and ref_t.is_floating_point():
         th = unmodelled_threshold(r, ref_t.dtype)
     err = abs(cn - ref_norm)
@@ -384,6 +357,23 @@ def _progress(total: int, enabled: bool):
     except ImportError:
         return None
     return tqdm(total=total, desc="compare", unit="tensor", file=sys.stderr, leave=False)
+
+
+def _noise_samples(readers: list[TraceReader], entries: list[dict[str, Any] | None], step: int,
+                   ref_e: dict[str, Any]) -> "list[torch.Tensor] | SampleMoments":
+    """One tensor's noise samples: whole tensors, or their moments when the samples were stored
+    as moments (:mod:`tracer.deviation`); ``[]`` when a sample lacks the tensor."""
+    if not entries or any(e is None for e in entries):
+        return []
+    as_moments = [DEVIATION_FIELD in e for e in entries]
+    if any(as_moments) and not all(as_moments):
+        raise TraceError("some noise samples store this tensor whole and others as moments: use noise samples "
+                         "of one reference run", path=readers[as_moments.index(True)].root, step=step,
+                         tensor=ref_e["name"])
+    stored = [n.load(step, 0, e["key"]) for n, e in zip(readers, entries)]
+    if not all(as_moments):
+        return stored
+    return combined_moments(entries, stored, ref_e, readers[0].root.parent, step)
 
 
 def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str | Path] | None = None,
@@ -436,9 +426,7 @@ def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str
     changed: dict[tuple[int, str, int, int], ChoiceChange] = {}  # top-k choices that differ, per module call
     for s, k, ref_e, cand_entries, noise_es in plan:
         ref_t = ref.load(s, 0, ref_e["key"])
-        noisy = [n.load(s, 0, e["key"]) for n, e in zip(noisy_readers, noise_es) if e is not None]
-        if len(noisy) != len(noise_es):
-            noisy = []
+        noisy = _noise_samples(noisy_readers, noise_es, s, ref_e)
         if cand.manifest(s, next(iter(cand_entries)))["mode"] == "stats":
             rows.append(_check_stats(s, k, ref_e, ref_t, cand_entries, noisy, per_tensor))
         else:

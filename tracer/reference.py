@@ -12,7 +12,10 @@ per-tensor thresholds; :func:`tracer.check.compare` finds them under ``root/nois
 The state of a step (model parameters and buffers, the optimizer's parameters -- the fp32 main
 parameters of a mixed-precision optimizer -- and its state, e.g. Adam's moments) is
 snapshotted and restored bit for bit around the samples. Cost: ``S`` extra steps per step,
-plus ``S + 1`` copies of the model and optimizer state in memory. The samples of a step share
+plus ``S + 1`` copies of the model and optimizer state in memory. By default a sample's trace
+stores, per tensor, the three moments of its deviation from the clean step that the threshold
+needs instead of the tensor (:mod:`tracer.deviation`: 24 bytes per tensor, one float64 copy of
+a step's traced tensors in memory while its samples run). The samples of a step share
 their noise amplitudes (:mod:`ttrace_num.propagate.memo`): the first sample computes each op's
 local bound, the others reuse it where their operands match, which makes a sample after the
 first several times cheaper.
@@ -25,6 +28,7 @@ from typing import Any
 
 import torch
 
+from tracer.deviation import MomentAccumulator, MomentWriter
 from tracer.store import TraceWriter
 
 __all__ = ["NoiseSampler", "StateSnapshot"]
@@ -84,21 +88,31 @@ class NoiseSampler:
             :func:`~ttrace_num.propagate.noise.perturb_custom_backward`).
         reuse_amplitudes: share the amplitudes of a step across its samples
             (:class:`~ttrace_num.propagate.memo.AmplitudeMemo`); False: each sample computes its own.
+        store: ``"moments"`` (default): each sample's trace stores, per tensor, the three
+            moments of its deviation from the clean step that the threshold needs
+            (:mod:`tracer.deviation`; needs the reference traced in full mode); ``"tensors"``:
+            the sample's tensors whole (for analyses beyond the thresholds, e.g.
+            ``bench.sensitivity``), S times the reference's trace on disk.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: Any, root: str | Path, *, layout: dict[str, Any],
                  signature: str, samples: int = 4, seed: int = 0, injector_kwargs: dict[str, Any] | None = None,
-                 custom_functions: Sequence[type] = (), reuse_amplitudes: bool = True) -> None:
+                 custom_functions: Sequence[type] = (), reuse_amplitudes: bool = True, store: str = "moments") -> None:
         if samples < 1:
             raise ValueError("need at least one noise sample")
+        if store not in ("moments", "tensors"):
+            raise ValueError(f"store must be 'moments' or 'tensors', got {store!r}")
         self.model, self.optimizer = model, optimizer
         self.seed = int(seed)
         self.injector_kwargs = {"mode": "probabilistic", **(injector_kwargs or {})}
         self.custom_functions = tuple(custom_functions)
         self.reuse_amplitudes = reuse_amplitudes
         self.amplitude_hits = self.amplitude_misses = 0  # over all steps, for reports
-        self.writers = [TraceWriter(Path(root) / "noise" / f"sample_{i}", 0, 1, layout, signature,
-                                    run_id=f"noise{i}") for i in range(samples)]
+        self.moments = MomentAccumulator() if store == "moments" else None
+        self.writers = [TraceWriter(Path(root) / "noise" / f"sample_{i}", 0, 1, layout, signature, run_id=f"noise{i}")
+                        if self.moments is None else
+                        MomentWriter(Path(root) / "noise" / f"sample_{i}", root, i, self.moments, layout, signature,
+                                     run_id=f"noise{i}") for i in range(samples)]
         self.states: list[StateSnapshot] = []
 
     def step(self, step: int, traced_step: Callable[[TraceWriter | None], Any]) -> Any:
@@ -118,6 +132,8 @@ class NoiseSampler:
         if not self.states:
             self.states = [before] * len(self.writers)
         memo = AmplitudeMemo() if self.reuse_amplitudes else None
+        if self.moments is not None:
+            self.moments.start_step(step)
         for i, w in enumerate(self.writers):
             self.states[i].restore()
             gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 101 + i)
@@ -127,6 +143,8 @@ class NoiseSampler:
             with inj, perturb_custom_backward(inj, *self.custom_functions):
                 traced_step(w)
             self.states[i] = StateSnapshot(self.model, self.optimizer)
+        if self.moments is not None:
+            self.moments.clear()
         if memo is not None:
             self.amplitude_hits += memo.hits
             self.amplitude_misses += memo.misses

@@ -370,13 +370,19 @@ class TraceWriter:
         with torch._C.DisableTorchFunction():  # plain copy and stats even under a TorchFunctionMode
             # stats mode keeps no data: the statistics read the tensor where it is, no copy
             copy = tensor.detach().to("cpu", copy=True).contiguous() if self.mode == "full" else tensor.detach()
-            stats = tensor_stats(copy)
-        entry = {"key": key, "name": name, "phase": phase, "step": step,
-                 "microbatch": int(microbatch), "index": int(index),
-                 "dtype": _dtype_name(copy.dtype), "shape": list(copy.shape),
-                 "placement": placement, "meta": meta, "stats": stats}
-        entries[index] = (entry, copy if self.mode == "full" else None)
+            entry = {"key": key, "name": name, "phase": phase, "step": step,
+                     "microbatch": int(microbatch), "index": int(index),
+                     "dtype": _dtype_name(copy.dtype), "shape": list(copy.shape),
+                     "placement": placement, "meta": meta, "stats": tensor_stats(copy)}
+            entries[index] = self._kept(entry, copy) if self.mode == "full" else (entry, None)
         return key
+
+    def _kept(self, entry: dict[str, Any], copy: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
+        """What a full-mode trace stores for a traced tensor: its entry and its copy (a subclass
+        may store something derived from it, described by the entry it returns). Runs with
+        torch functions disabled, as the copy does: a mode of the traced run (e.g. a noise
+        injector) must not see this arithmetic."""
+        return entry, copy
 
     def pending_steps(self) -> list[int]:
         """Steps with buffered tensors not yet flushed."""

@@ -80,7 +80,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DEFAULT_FALSE_ALARM", "NoiseThreshold", "deviation_threshold", "noise_threshold", "unmodelled_threshold"]
+__all__ = ["DEFAULT_FALSE_ALARM", "NoiseThreshold", "deviation_threshold", "moments_threshold", "noise_threshold",
+           "unmodelled_threshold"]
 
 #: False-alarm probability of a whole comparison under the equal-variance assumption; the
 #: checker gives each of its N tensors ``DEFAULT_FALSE_ALARM / N`` (Bonferroni).
@@ -126,13 +127,22 @@ def deviation_threshold(deviations: list[torch.Tensor], false_alarm: float = DEF
         sq = d * d
         z.append(float(sq.sum()))
         m = sq if m is None else m.add_(sq)
-    samples = len(deviations)
+    return moments_threshold(z, float(torch.linalg.vector_norm(m, dtype=torch.float64)) ** 2, false_alarm)
+
+
+def moments_threshold(z: list[float], m_sq: float, false_alarm: float = DEFAULT_FALSE_ALARM) -> NoiseThreshold:
+    """The threshold from the two moments it depends on: ``z_s = ||d_s||^2`` per sample and
+    ``m_sq = ||m||^2``, ``m = sum_s d_s^2`` elementwise (module doc; a noise sample traced
+    as moments stores them instead of its tensor, :mod:`tracer.deviation`)."""
+    if not z:
+        raise ValueError("need at least one noise sample")
+    samples = len(z)
     total = math.fsum(z) / samples
-    if not math.isfinite(total):
+    if not math.isfinite(total) or not math.isfinite(m_sq):
         raise ValueError("a noise sample is not finite: the reference run is numerically unstable there")
     if total == 0.0:
         return NoiseThreshold(0.0, 0.0, 0.0, 0.0, samples)
-    n_eff = total ** 2 / (float(torch.linalg.vector_norm(m, dtype=torch.float64)) ** 2 / samples ** 2)
+    n_eff = total ** 2 / (m_sq / samples ** 2)
     zt = torch.tensor(z, dtype=torch.float64)
     if samples >= 2 and float(zt.var()) > 0:
         n_eff = max(1.0, min(n_eff, 2 * float(zt.mean()) ** 2 / float(zt.var())))

@@ -308,8 +308,13 @@ def known_formats() -> list[str]:
     return list(FORMATS)
 
 
-def half_ulp(t: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
-    """Round-to-nearest error bound at magnitude ``t`` (elementwise, float64).
+#: bit layout of the working types of :func:`half_ulp`: (integer view, mantissa bits,
+#: exponent bias, log2 of the smallest subnormal, largest finite exponent)
+_BITS = {torch.float64: (torch.int64, 52, 1023, -1074, 1023), torch.float32: (torch.int32, 23, 127, -149, 127)}
+
+
+def half_ulp(t: torch.Tensor, fmt: FloatFormat, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """Round-to-nearest error bound at magnitude ``t`` (elementwise, in ``dtype``).
 
     For ``|t|`` in the normal binade ``[2**e, 2**(e+1))`` this is ``u * 2**e`` (half the
     spacing there), at most ``u |t|``; below the normal range it is the absolute
@@ -317,18 +322,32 @@ def half_ulp(t: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     ``half_ulp(T)`` bounds the rounding error of every value of magnitude ``<= T``.
     At ``t = 0`` it is 0 (zero is representable, and the bound at magnitude 0 covers only 0).
     Above the largest finite value it returns ``+inf`` (overflow is not round-off).
+
+    ``dtype`` float32 (half the memory traffic) takes a float32, bfloat16 or float16 ``t`` (exact
+    in float32) and a format whose half-ulps are float32 numbers (e.g. bf16, fp16, FP8, FP6,
+    FP4: ``emin >= -126`` and ``emin - p >= -149``); else a ``ValueError``. The values are the
+    same powers of two as in float64.
     """
-    t = t.abs().to(torch.float64)
-    log2_u = -fmt.precision  # u = 2**-p
-    if fmt.emin + log2_u >= -1022:  # every result is a normal float64 2**k: build it from its bits
-        k = ((t.view(torch.int64) >> 52) - 1023).clamp_(min=fmt.emin).add_(log2_u + 1023)
-        out = (k << 52).view(torch.float64)  # floor(log2 t) from the float64 exponent field
-        # 0 at t = 0 (exact in every format) and NaN at NaN, without a mask: t * 2**(1074 - p + emin)
-        # is >= the result for every t > 0 (>= its smallest value at t = 2**-1074, >= u t above)
-        scale = 1074 + fmt.emin + log2_u
-        zero_at_zero = t * 2.0 ** min(scale, 1023)
-        if scale > 1023:  # formats with a tiny range (FP4, FP6, FP8): a second, exact scaling
-            zero_at_zero = zero_at_zero * 2.0 ** (scale - 1023)
+    if dtype == torch.float32:
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16) or fmt.emin < -126 \
+                or fmt.emin - fmt.precision < -149:
+            raise ValueError(f"half_ulp in float32 needs a float32/bfloat16/float16 tensor (got {t.dtype}) and a "
+                             f"format whose half-ulps are float32 numbers (got {fmt.name}): use dtype=torch.float64")
+    elif dtype != torch.float64:
+        raise ValueError(f"half_ulp computes in float64 or float32, not {dtype}")
+    t = t.abs().to(dtype)
+    as_int, mant_bits, bias, min_exp, max_exp = _BITS[dtype]
+    if fmt.emin >= 1 - bias and fmt.emin - fmt.precision >= min_exp:
+        # every result is 2**max(e, emin) (a normal number, from the exponent field of t) times
+        # 2**-p, exact: the product is a power of two no smaller than the smallest subnormal
+        e = ((t.view(as_int) >> mant_bits) - bias).clamp_(min=fmt.emin)
+        out = ((e + bias) << mant_bits).view(dtype) * 2.0 ** -fmt.precision
+        # 0 at t = 0 (exact in every format) and NaN at NaN, without a mask: t * 2**(-min_exp + emin - p)
+        # is >= the result for every t > 0 (>= its smallest value at the smallest subnormal t, >= u t above)
+        scale = -min_exp + fmt.emin - fmt.precision
+        zero_at_zero = t * 2.0 ** min(scale, max_exp)
+        if scale > max_exp:  # formats with a tiny range (FP4, FP6, FP8): a second, exact scaling
+            zero_at_zero = zero_at_zero * 2.0 ** (scale - max_exp)
         out = torch.minimum(out, zero_at_zero)
     else:  # float64 itself: its half-ulp underflows to float64 subnormals
         _, exp = torch.frexp(t)  # t = mant * 2**exp, mant in [0.5, 1)

@@ -39,12 +39,14 @@ def _trace_worker(rank: int, world: int, jobs: list[dict]) -> list[dict]:
 
 
 def trace_runs(out: Path, *, steps: int, seed: int, dtype: str, bug: str | None, noise_samples: int,
-               candidate: dict = CANDIDATE, log=print) -> dict[str, dict]:
-    """Trace the reference and the candidate(s) into ``out/{ref,cand_clean,cand_bug}``."""
+               candidate: dict = CANDIDATE, noise_store: str = "moments", log=print) -> dict[str, dict]:
+    """Trace the reference and the candidate(s) into ``out/{ref,cand_clean,cand_bug}``;
+    ``noise_store``: how the reference's noise samples are stored (``tracer.reference.NoiseSampler``)."""
     t = time.perf_counter()
     ref = run_gloo(_trace_worker, 1, [{"layout": {"tp": 1, "pp": 1, "dp": 1}, "steps": steps, "seed": seed,
                                        "dtype": dtype, "trace": {"root": str(out / "ref"),
                                                                  "noise_samples": noise_samples,
+                                                                 "noise_store": noise_store,
                                                                  "noise_tp": candidate["tp"]}}])[0][0]
     log(f"  reference traced ({noise_samples} noise samples): {time.perf_counter() - t:.1f} s")
     jobs = [{"layout": candidate, "steps": steps, "seed": seed, "dtype": dtype,

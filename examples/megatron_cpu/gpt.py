@@ -128,10 +128,12 @@ def build_and_train(layout: dict, steps: int = 3, seed: int = 1234, dtype: str =
             zero the main grad of every param whose name contains ``zero_grad_of`` after the
             backward pass and before ``finalize_model_grads`` (before DP/TP reduction).
         trace: trace the run with :class:`tracer.megatron.MegatronTracer`: ``{"root": dir,
-            "mode": "full"|"stats", "noise_samples": S, "noise_tp": T, "noise_seed": k}``.
+            "mode": "full"|"stats", "noise_samples": S, "noise_tp": T, "noise_seed": k,
+            "noise_store": "moments"|"tensors"}``.
             ``noise_samples > 0`` (single-process reference only) also runs every step ``S``
             times under ``ttrace_num``'s noise injector, from the same state, into
-            ``root/noise/sample_<i>`` (see :mod:`examples.megatron_cpu.traced`).
+            ``root/noise/sample_<i>`` (see :mod:`examples.megatron_cpu.traced`), stored as
+            deviation moments (default) or whole (:class:`tracer.reference.NoiseSampler`).
         bug: name of a bug from :mod:`examples.megatron_cpu.bugs` to inject into this run.
         rerun: localisation (single process only): ``{"step": t, "module": canonical name,
             "args": [...], "kwargs": {...}, "output": candidate's output, "noise_tp": T}``:

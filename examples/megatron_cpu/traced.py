@@ -47,6 +47,7 @@ class TracedRun:
             self.sampler = NoiseSampler(model, optimizer, self.root, layout=lay, signature=signature,
                                         samples=samples, seed=int(trace.get("noise_seed", 0)),
                                         reuse_amplitudes=bool(trace.get("reuse_amplitudes", True)),
+                                        store=str(trace.get("noise_store", "moments")),
                                         **reference_noise(int(trace.get("noise_tp", 2)), dtype))
         self.bytes = 0
 

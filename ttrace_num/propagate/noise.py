@@ -302,6 +302,11 @@ class NoiseInjector(TorchFunctionMode):
                 args, kwargs = _wrap_norm_params(args, kwargs, self._norm_param_noise(call, slot))
             call = classify(func, args, kwargs)  # inputs are now the wrapped tensors
         out = func(*args, **kwargs)
+        with torch._C.DisableTorchFunction():  # the injector's own arithmetic: no other mode sees it
+            return self._perturbed(call, out, slot)
+
+    def _perturbed(self, call: OpCall, out: torch.Tensor, slot: _Slot) -> torch.Tensor:
+        """``out`` plus the noise of ``call`` (module doc), differentiable when ``out`` is."""
         if call.op in ("linear", "matmul") and self._variance_applies(out, *call.inputs[:2]):
             a, w = call.inputs[0], call.inputs[1]
             bias = call.inputs[2] if len(call.inputs) > 2 else None

@@ -1,0 +1,205 @@
+"""Noise samples stored as deviation moments (tracer.deviation) give the thresholds of the whole samples."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from tracer.check import compare
+from tracer.decisions import TOPK_META
+from tracer.deviation import (DEVIATION_FIELD, DeviationOf, MomentAccumulator, MomentWriter, combined_moments,
+                              work_dtype)
+from tracer.errors import TraceError
+from tracer.store import TraceReader, TraceWriter
+from tracer.thresholds import deviation_threshold, moments_threshold
+
+LAYOUT = {"tp": 1}
+SIG = "toy-model"
+
+
+def _moments(ref: torch.Tensor, noisy: list[torch.Tensor], phase: str, factor_c: float = 2.0):
+    """Moments of ``noisy`` as MomentWriter computes them, combined with ``c`` weighted by ``factor_c``."""
+    acc = MomentAccumulator()
+    acc.start_step(0)
+    work = work_dtype(ref.dtype)
+    dev = DeviationOf(ref.to(work), ref.dtype, phase)
+    zqc = [acc.moments(("fwd", "x", 0, 0), dev(n)).tolist() for n in noisy]
+    return [z for z, _, _ in zqc], math.fsum(q for _, q, _ in zqc) + factor_c * math.fsum(c for _, _, c in zqc)
+
+
+@pytest.mark.parametrize("dtype,phase", [(torch.float32, "fwd"), (torch.bfloat16, "fwd"), (torch.bfloat16, "param")])
+def test_moments_give_the_threshold_of_the_whole_samples(dtype, phase):
+    """z_s and ||m||^2 = sum q + 2 sum c reproduce deviation_threshold; the factor 2 of the cross
+    terms is what makes them agree (negative control: 1 gives another n_eff and threshold)."""
+    g = torch.Generator().manual_seed(3)
+    ref = torch.randn(64, 32, generator=g).to(dtype)
+    # a few dominant elements make n_eff depend on the cross terms
+    scale = torch.ones(64, 32)
+    scale[0, :4] = 30.0
+    noisy = [(ref.float() + 1e-2 * scale * torch.randn(64, 32, generator=g)).to(dtype) for _ in range(4)]
+    work = work_dtype(dtype)
+    dev = DeviationOf(ref.to(work), dtype, phase)
+    whole = deviation_threshold([dev(n) for n in noisy])
+    z, m_sq = _moments(ref, noisy, phase)
+    ours = moments_threshold(z, m_sq)
+    assert ours.threshold == pytest.approx(whole.threshold, rel=1e-6)
+    assert ours.n_eff == pytest.approx(whole.n_eff, rel=1e-6)
+    z, m_sq_wrong = _moments(ref, noisy, phase, factor_c=1.0)
+    assert moments_threshold(z, m_sq_wrong).n_eff > 1.2 * whole.n_eff
+
+
+def test_deviation_zeroes_the_reference_non_finite_positions():
+    ref = torch.tensor([1.0, float("inf"), 2.0, float("nan")])
+    noisy = torch.tensor([1.5, float("inf"), 2.0, float("nan")])
+    assert DeviationOf(ref, ref.dtype, "fwd")(noisy).tolist() == [0.5, 0.0, 0.0, 0.0]
+
+
+# ------------------------------------------------------------------ traces
+def _trace(root, tensors: dict[str, torch.Tensor], writer=None, meta=None):
+    w = writer or TraceWriter(root, 0, 1, LAYOUT, SIG)
+    for name, t in tensors.items():
+        w.add(name, t, phase="fwd", step=0, meta=(meta or {}).get(name))
+    w.flush_step(0)
+    return w
+
+
+def _runs(tmp_path, store: str, samples: int = 4, meta=None):
+    """A reference (with ``samples`` noise samples stored as ``store``) and a candidate."""
+    g = torch.Generator().manual_seed(11)
+    ref = {"a": torch.randn(32, 16, generator=g), "b": torch.randn(8, generator=g).to(torch.bfloat16),
+           "idx": torch.arange(6)}
+    root = tmp_path / store / "ref"
+    _trace(root, ref)
+    acc = MomentAccumulator()
+    acc.start_step(0)
+    for i in range(samples):
+        noisy = {k: (v + 1e-3 * torch.randn(v.shape, generator=g).to(v.dtype)) if v.is_floating_point() else v
+                 for k, v in ref.items()}
+        sroot = root / "noise" / f"sample_{i}"
+        w = (MomentWriter(sroot, root, i, acc, LAYOUT, SIG) if store == "moments"
+             else TraceWriter(sroot, 0, 1, LAYOUT, SIG))
+        _trace(sroot, noisy, w, meta)
+    cand = {k: (v + 5e-4 * torch.randn(v.shape, generator=g).to(v.dtype)) if v.is_floating_point() else v
+            for k, v in ref.items()}
+    _trace(tmp_path / store / "cand", cand)
+    return root, tmp_path / store / "cand"
+
+
+def test_compare_reads_moments_as_it_reads_whole_samples(tmp_path):
+    rows = {}
+    for store in ("moments", "tensors"):
+        ref, cand = _runs(tmp_path, store)
+        rows[store] = {r.name: r for r in compare(ref, cand).rows}
+    assert set(rows["moments"]) == {"a", "b", "idx"}
+    for name, whole in rows["tensors"].items():
+        mom = rows["moments"][name]
+        assert mom.status == whole.status
+        assert mom.threshold == pytest.approx(whole.threshold, rel=1e-6, abs=0.0)
+    # what the moments trace holds: 3 float64 per floating tensor, integers whole
+    sample = TraceReader(tmp_path / "moments" / "ref" / "noise" / "sample_0")
+    by_name = {e["name"]: e for e in sample.entries(0, 0)}
+    assert by_name["a"][DEVIATION_FIELD] == {"dtype": "float32", "shape": [32, 16], "sample": 0}
+    assert (by_name["a"]["dtype"], by_name["a"]["shape"]) == ("float64", [3])
+    assert DEVIATION_FIELD not in by_name["idx"] and by_name["idx"]["shape"] == [6]
+
+
+def test_top_k_scores_are_stored_whole(tmp_path):
+    ref, _ = _runs(tmp_path, "moments", samples=1, meta={"a": {TOPK_META: {"k": 2, "dim": -1}}})
+    e = {e["name"]: e for e in TraceReader(ref / "noise" / "sample_0").entries(0, 0)}
+    assert DEVIATION_FIELD not in e["a"] and e["a"]["shape"] == [32, 16]
+    assert DEVIATION_FIELD in e["b"]
+
+
+def test_a_subset_of_moment_samples_is_refused(tmp_path):
+    ref, cand = _runs(tmp_path, "moments", samples=3)
+    with pytest.raises(TraceError, match="whole set 0..S-1"):
+        compare(ref, cand, noise=[ref / "noise" / "sample_1", ref / "noise" / "sample_2"])
+    compare(ref, cand, noise=[ref / "noise" / "sample_0", ref / "noise" / "sample_1"])  # a prefix is a whole set
+
+
+def test_mixed_stores_are_refused(tmp_path):
+    ref_m, cand = _runs(tmp_path, "moments", samples=2)
+    ref_t, _ = _runs(tmp_path, "tensors", samples=2)
+    with pytest.raises(TraceError, match="some noise samples store this tensor whole"):
+        compare(ref_m, cand, noise=[ref_m / "noise" / "sample_0", ref_t / "noise" / "sample_1"])
+
+
+def test_moments_of_another_shape_are_refused():
+    e = {"name": "a", "shape": [4], DEVIATION_FIELD: {"shape": [5], "dtype": "float32", "sample": 0}}
+    with pytest.raises(TraceError, match="belong to another run"):
+        combined_moments([e], [torch.zeros(3, dtype=torch.float64)], {"name": "a", "shape": [4]}, None, 0)
+
+
+def test_the_writer_needs_a_flushed_full_reference(tmp_path):
+    acc = MomentAccumulator()
+    acc.start_step(0)
+    ref = tmp_path / "ref"
+    TraceWriter(ref, 0, 1, LAYOUT, SIG)  # run.json only: step 0 never flushed
+    w = MomentWriter(tmp_path / "s0", ref, 0, acc, LAYOUT, SIG)
+    with pytest.raises(TraceError, match="flushed first"):
+        w.add("a", torch.ones(3), phase="fwd", step=0)
+    stats_ref = tmp_path / "stats_ref"
+    _trace(stats_ref, {"a": torch.ones(3)}, TraceWriter(stats_ref, 0, 1, LAYOUT, SIG, mode="stats"))
+    w = MomentWriter(tmp_path / "s1", stats_ref, 0, acc, LAYOUT, SIG)
+    with pytest.raises(TraceError, match="stats mode"):
+        w.add("a", torch.ones(3), phase="fwd", step=0)
+
+
+def test_a_tensor_the_clean_step_did_not_trace_is_stored_whole(tmp_path):
+    acc = MomentAccumulator()
+    acc.start_step(0)
+    ref = tmp_path / "ref"
+    _trace(ref, {"a": torch.ones(3)})
+    w = MomentWriter(tmp_path / "s0", ref, 0, acc, LAYOUT, SIG)
+    _trace(tmp_path / "s0", {"a": torch.full((3,), 2.0), "new": torch.ones(2), }, w)
+    e = {e["name"]: e for e in TraceReader(tmp_path / "s0").entries(0, 0)}
+    assert DEVIATION_FIELD in e["a"] and DEVIATION_FIELD not in e["new"]
+    assert TraceReader(tmp_path / "s0").load(0, 0, e["a"]["key"]).tolist() == [3.0, 3.0, 0.0]
+
+
+# ------------------------------------------------------------------ a real noise sampler
+def _train(root, store: str | None, perturb: float = 0.0, steps: int = 2):
+    """A tiny MLP trained with Adam, traced (reference: with 3 noise samples stored as ``store``)."""
+    from tracer.pytorch import DDPTracer
+    from tracer.reference import NoiseSampler
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+    writer = TraceWriter(root, 0, 1, LAYOUT, SIG)
+    tr = DDPTracer(model, writer)
+    sampler = None if store is None else NoiseSampler(model, opt, root, layout=LAYOUT, signature=SIG, samples=3,
+                                                      store=store)
+
+    def one_step(step, w=None):
+        with tr.step(step, w):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(model(x + perturb), y)
+            tr.record_loss(loss)
+            loss.backward()
+            tr.after_backward()
+            opt.step()
+            tr.after_optimizer_step()
+    for s in range(steps):
+        if sampler is None:
+            one_step(s)
+        else:
+            sampler.step(s, lambda w, s=s: one_step(s, w))
+    tr.remove()
+
+
+def test_a_noise_sampler_storing_moments_gives_the_thresholds_of_whole_samples(tmp_path):
+    """The same reference, its samples stored as moments and whole: the same thresholds and
+    verdicts against a candidate (the writer's arithmetic must not run under the injector: it
+    would perturb the deviations and shift the noise draws)."""
+    for store in ("moments", "tensors"):
+        _train(tmp_path / store, store)
+    _train(tmp_path / "cand", None, perturb=1e-7)
+    rows = {s: compare(tmp_path / s, tmp_path / "cand").rows for s in ("moments", "tensors")}
+    assert len(rows["moments"]) == len(rows["tensors"]) > 20
+    for a, b in zip(rows["moments"], rows["tensors"]):
+        assert (a.step, a.phase, a.name, a.status) == (b.step, b.phase, b.name, b.status)
+        assert a.threshold == pytest.approx(b.threshold, rel=1e-5, abs=0.0)
+    assert sum(r.threshold > 0 for r in rows["moments"]) > 20

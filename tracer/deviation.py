@@ -1,0 +1,217 @@
+r"""Deviations from the reference, and noise samples stored as the moments a threshold needs.
+
+:class:`DeviationOf` forms the difference ``x - ref`` of one traced tensor as the comparison
+counts it, for the candidate and for the noise samples alike: the reference's non-finite
+positions are zeroed in both, and parameters stored narrower than fp32 count only the part
+beyond one ulp (:func:`storage_rounding_excess`).
+
+**Moments instead of samples.** Of ``S`` noise samples ``n_s`` of a tensor, the threshold
+(:mod:`tracer.thresholds`) uses two statistics of the deviations ``d_s = n_s - ref``:
+``z_s = ||d_s||^2`` per sample and ``||m||^2`` with ``m = sum_s d_s^2`` elementwise
+(:func:`~tracer.thresholds.moments_threshold`). A reference traced with
+``NoiseSampler(store="moments")`` computes them while its samples run, and sample ``s``'s
+trace stores, per tensor, the float64 triple
+
+.. math::
+
+    z_s = \sum_i d_{s,i}^2, \qquad q_s = \sum_i d_{s,i}^4, \qquad
+    c_s = \sum_i d_{s,i}^2 a_{s,i}, \quad a_s = \sum_{t<s} d_t^2
+
+(``a`` is held in memory across the samples of a step, :class:`MomentAccumulator`), so that
+
+.. math::
+
+    \|m\|^2 = \sum_i \Big(\sum_s d_{s,i}^2\Big)^2 = \sum_s q_s + 2 \sum_s c_s .
+
+The threshold is the one of the whole samples up to rounding (the sums are float64), each
+sample's trace stays self-contained, and a comparison reads ``24 S`` bytes per tensor instead of
+``S`` tensors. :class:`MomentWriter` is that sample's writer.
+
+Stored whole, as before: the tensors the comparison needs elementwise, i.e. a module's top-k
+scores and the tensors that consume its choice (:mod:`tracer.decisions`), and the tensors the
+clean step did not trace with the same shape (nothing to subtract).
+
+Cost: the clean step's tensor is read back from the reference's trace once per sample, and the
+accumulators hold one float64 copy of every traced tensor of a step.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tracer.decisions import TOPK_CONSUMER_META, TOPK_META
+from tracer.errors import TraceError
+from tracer.store import TraceReader, TraceWriter
+
+__all__ = ["DEVIATION_FIELD", "DeviationOf", "MomentAccumulator", "MomentWriter", "SampleMoments", "combined_moments",
+           "entry_key", "storage_rounding_excess", "work_dtype"]
+
+#: manifest entry field of a tensor stored as moments: ``{"dtype", "shape"}`` of the traced tensor and
+#: the ``sample`` index (``c`` sums over the samples before it); the entry's own ``dtype``/``shape``
+#: describe what the file holds: float64 ``[3]`` = z, q, c
+DEVIATION_FIELD = "deviation_moments_of"
+
+#: stored dtypes whose comparison arithmetic runs in float32 (:func:`work_dtype`)
+_FLOAT32_WORK = (torch.float32, torch.bfloat16, torch.float16)
+
+Key = tuple[str, str, int, int]
+
+
+def entry_key(e: dict[str, Any]) -> Key:
+    """(phase, name, microbatch, call) of a manifest entry: what matches a tensor across traces."""
+    return (e["phase"], e["name"], int(e["microbatch"]), int(e["meta"].get("call", 0)))
+
+
+def work_dtype(*dtypes: torch.dtype) -> torch.dtype:
+    """float32 when every stored dtype is fp32/bf16/fp16 (differences of two such values are
+    exact in float32 unless more than 2x apart; norms carry a relative error ~1e-6), else
+    float64."""
+    return torch.float32 if all(d in _FLOAT32_WORK for d in dtypes) else torch.float64
+
+
+def storage_rounding_excess(phase: str, dtype: torch.dtype, ref: torch.Tensor
+                            ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """``x -> |x - ref|`` elementwise, less one unit in the last place of the stored format,
+    for parameters after the update (phase ``param``) stored in a format narrower than fp32;
+    ``None`` otherwise (the error is then ``|x - ref|`` itself).
+
+    Such a parameter is the rounding of an fp32 main parameter; two runs whose main
+    parameters differ legitimately by far less than an ulp of the stored format still store
+    values one ulp apart when they straddle a rounding boundary. That flip is legitimate and
+    is at most one ulp of the larger magnitude (round to nearest of two values that differ by
+    less than an ulp), so only the part of a difference beyond it is counted, in the
+    candidate's error and in the noise samples' deviations alike.
+    """
+    if phase != "param" or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    from ttrace_num.formats import get_format, half_ulp
+    fmt = get_format(dtype)
+    return lambda x: ((x - ref).abs() - 2 * half_ulp(torch.maximum(x.abs(), ref.abs()), fmt, x.dtype)).clamp_min(0.0)
+
+
+class DeviationOf:
+    """Deviations from one reference tensor, as the comparison counts them (module doc).
+
+    ``ref`` is already in the working dtype; ``stored`` is the dtype it was traced in;
+    ``finite``: the mask of the reference's finite elements, True when all are known to be
+    finite, ``None`` to test it here (one sum when all are finite)."""
+
+    def __init__(self, ref: torch.Tensor, stored: torch.dtype, phase: str, finite: torch.Tensor | bool | None = None):
+        if finite is None:
+            finite = True if math.isfinite(float(ref.sum())) else torch.isfinite(ref)
+        self.finite = None if finite is True or bool(finite.all()) else finite
+        self.work = ref.dtype
+        self.ref = self.part(ref)
+        self.excess = storage_rounding_excess(phase, stored, self.ref)
+
+    def part(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` in the working dtype with the reference's non-finite positions zeroed."""
+        x = x.detach().to(self.work)
+        return x if self.finite is None else x.masked_fill(~self.finite, 0.0)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The deviation of ``x``: ``x - ref``, or its storage-rounding excess (elementwise)."""
+        x = self.part(x)
+        return x - self.ref if self.excess is None else self.excess(x)
+
+
+class MomentAccumulator:
+    """``a = sum_{t<s} d_t^2`` per tensor over the samples of one step (module doc)."""
+
+    def __init__(self) -> None:
+        self.step: int | None = None
+        self.sums: dict[Key, torch.Tensor] = {}
+
+    def start_step(self, step: int) -> None:
+        """Forget the previous step's sums (call before the first sample of ``step``)."""
+        self.step, self.sums = step, {}
+
+    def clear(self) -> None:
+        """Release the sums (after the last sample of a step)."""
+        self.sums = {}
+
+    def moments(self, key: Key, d: torch.Tensor) -> torch.Tensor:
+        """``[z, q, c]`` of one sample's deviation ``d`` (float64), and ``d^2`` added to ``a``."""
+        sq = d.double().reshape(-1).square()
+        acc = self.sums.get(key)
+        c = torch.dot(sq, acc) if acc is not None else sq.new_zeros(())
+        out = torch.stack([sq.sum(), torch.dot(sq, sq), c])
+        self.sums[key] = sq if acc is None else acc.add_(sq)
+        return out
+
+
+class MomentWriter(TraceWriter):
+    """A noise sample's trace (rank 0 of a single-process reference) that stores each tensor
+    as its deviation moments from the clean step's trace under ``reference`` (module doc).
+
+    The clean step must be flushed (full mode) before the sample traces it, and ``moments``
+    must have been told the step (:meth:`MomentAccumulator.start_step`)."""
+
+    def __init__(self, root: str | Path, reference: str | Path, sample: int, moments: MomentAccumulator,
+                 layout: dict[str, Any], model_signature: str, *, run_id: str = "") -> None:
+        super().__init__(root, 0, 1, layout, model_signature, run_id=run_id, mode="full")
+        self.reference = Path(reference)
+        self.sample = int(sample)
+        self.acc = moments
+        self._clean: tuple[int, TraceReader, dict[Key, dict[str, Any]]] | None = None
+
+    def _clean_entry(self, step: int, key: Key) -> tuple[TraceReader, dict[str, Any] | None]:
+        if self._clean is None or self._clean[0] != step:
+            reader = TraceReader(self.reference)
+            if step not in reader.steps():
+                raise TraceError("the clean step is not in the reference's trace: a noise sample stored as moments "
+                                 "needs it flushed first (full mode)", path=self.reference, rank=0, step=step)
+            if reader.manifest(step, 0)["mode"] != "full":
+                raise TraceError("the reference traced this step in stats mode: noise samples stored as moments "
+                                 "need its tensors (trace the reference in full mode)", path=self.reference,
+                                 rank=0, step=step)
+            self._clean = (step, reader, {entry_key(e): e for e in reader.entries(step, 0)})
+        return self._clean[1], self._clean[2].get(key)
+
+    def _kept(self, entry: dict[str, Any], copy: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
+        meta = entry["meta"]
+        if TOPK_META in meta or TOPK_CONSUMER_META in meta or not copy.is_floating_point():
+            return entry, copy  # compared elementwise (tracer.decisions), or exactly (integers)
+        step, key = entry["step"], entry_key(entry)
+        reader, clean = self._clean_entry(step, key)
+        if clean is None or clean["shape"] != entry["shape"]:
+            return entry, copy  # nothing to subtract: stored whole
+        ref = reader.load(step, 0, clean["key"])
+        work = work_dtype(ref.dtype, copy.dtype)
+        d = DeviationOf(ref.to(work), ref.dtype, entry["phase"])(copy)
+        of = {"dtype": entry["dtype"], "shape": entry["shape"], "sample": self.sample}
+        stored = dict(entry, dtype="float64", shape=[3], **{DEVIATION_FIELD: of})
+        return stored, self.acc.moments(key, d)
+
+
+@dataclass(frozen=True)
+class SampleMoments:
+    """The moments of a tensor's noise samples that its threshold needs (module doc)."""
+
+    z: list[float]   # ||d_s||^2 per sample
+    m_sq: float      # ||sum_s d_s^2||^2
+
+
+def combined_moments(entries: list[dict[str, Any]], stored: list[torch.Tensor], ref_entry: dict[str, Any],
+                     where: Path, step: int) -> SampleMoments:
+    """:class:`SampleMoments` from the ``[z, q, c]`` of samples ``0 .. S-1`` of one tensor;
+    a :class:`~tracer.errors.TraceError` when they are of another tensor or not that set (``c``
+    sums over the samples before each: a subset other than a prefix gives a wrong ``||m||^2``)."""
+    of = [e[DEVIATION_FIELD] for e in entries]
+    name = ref_entry["name"]
+    if any(o.get("shape") != ref_entry["shape"] for o in of):
+        raise TraceError(f"noise samples stored as moments are of shapes {[o.get('shape') for o in of]}, the "
+                         f"reference tensor is {ref_entry['shape']}: they belong to another run", path=where,
+                         step=step, tensor=name)
+    order = sorted(range(len(of)), key=lambda i: int(of[i].get("sample", -1)))
+    if [int(of[i].get("sample", -1)) for i in order] != list(range(len(of))):
+        raise TraceError(f"noise samples stored as moments must be used as a whole set 0..S-1, got samples "
+                         f"{sorted(int(o.get('sample', -1)) for o in of)}: pass all of them (or none)",
+                         path=where, step=step, tensor=name)
+    zqc = [stored[i].tolist() for i in order]
+    return SampleMoments([z for z, _, _ in zqc], math.fsum(q for _, q, _ in zqc) + 2 * math.fsum(c for _, _, c in zqc))
