@@ -196,7 +196,8 @@ PROFILE_PARTS = (
     ("assemble candidate shards (_full, incl. its loads)", "tracer/check.py", "_full"),
     ("canonical.assemble", "tracer/canonical.py", "assemble"),
     ("check one tensor (_check_one)", "tracer/check.py", "_check_one"),
-    ("noise threshold (deviation_threshold, incl. F quantile)", "tracer/thresholds.py", "deviation_threshold"),
+    ("noise samples' moments (combined_moments)", "tracer/deviation.py", "combined_moments"),
+    ("noise threshold (moments_threshold, incl. F quantile)", "tracer/thresholds.py", "moments_threshold"),
     ("F quantile (scipy.special.fdtri)", "tracer/thresholds.py", "_f_quantile"),
     ("unmodelled_threshold", "tracer/thresholds.py", "unmodelled_threshold"),
     ("storage-rounding excess (bf16 params)", "tracer/check.py", "<lambda>"),
@@ -301,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                 per = [trace_bytes(out / f"w{world}" / model / f"{mode}_r0", r)[0] for r in range(world)]
                 bytes_rows.append([model, lay, mode, " / ".join(f"{b / 1e6:.3f}" for b in per)])
         noise_per_step = _dir_bytes(out / "w1" / model / "noise", noise=True) / steps
-        bytes_rows.append([model, f"{layout_name(LAYOUTS[1])} (world 1)", f"noise samples (S={S}, all)",
+        bytes_rows.append([model, f"{layout_name(LAYOUTS[1])} (world 1)", f"noise samples (S={S}, all, stored as moments)",
                            f"{noise_per_step / 1e6:.3f}"])
 
     # 3: compare throughput
@@ -387,8 +388,9 @@ def main(argv: list[str] | None = None) -> int:
         total, parts, top = prof
         md += [(f"\n### Where compare's time goes ({a.profile_model} model, cProfile, {total:.2f} s under the "
                 "profiler)\n\n"
-               "Cumulative times; the rows nest (`_check_one` contains `deviation_threshold`, which contains "
-               "the F quantile; `_full` contains its loads).\n"),
+               "Cumulative times; the rows nest (`_check_one` contains `moments_threshold`, which contains "
+               "the F quantile; `_full` contains its loads; the noise samples are stored as moments, "
+               "`tracer/deviation.py`).\n"),
                _table(["part", "cumulative s", "share", "calls"],
                       [[lbl, f"{c:.2f}", f"{c / total:.0%}", str(n)] for lbl, c, n in parts]),
                "\nTop functions by own time:\n\n```\n" + top + "\n```"]

@@ -35,14 +35,13 @@ from tracer.canonical import Placement, assemble, shard
 from tracer.decisions import TOPK_CONSUMER_META, TOPK_META, ChoiceChange, choice_changes, without_choices
 from tracer.errors import IncomparableRunsError, TraceError
 from tracer.store import TraceReader
-from tracer.deviation import (DEVIATION_FIELD, DeviationOf, SampleMoments, combined_moments, entry_key,
+from tracer.deviation import (DEVIATION_FIELD, DeviationOf, Key, SampleMoments, combined_moments, entry_key,
                               work_dtype)
 from tracer.thresholds import (DEFAULT_FALSE_ALARM, deviation_threshold, moments_threshold, noise_threshold,
                                unmodelled_threshold)
 
 __all__ = ["Comparison", "TensorCheck", "assembled_records", "compare", "localise", "noise_dirs"]
 
-Key = tuple[str, str, int, int]  # phase, name, microbatch, call
 
 
 @dataclass
@@ -187,16 +186,18 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
             return row  # else a float32 overflow: again in float64
     work = torch.float64 if work is None else work
     r, c = ref_t.detach().to(work), cand_t.detach().to(work)
-    # the common case, all finite, from two sums (NaN/Inf propagate): no elementwise masks, no
-    # masking, no copies
-    finite = math.isfinite(float(r.sum()) + float(c.sum()))
+    # the common case, all finite, from the norm of the difference (a NaN or Inf of either makes
+    # it non-finite): no elementwise masks, no masking, no copies
+    diff = c - r
+    error = float(torch.linalg.vector_norm(diff)) if diff.numel() else 0.0
     rf = None
-    if not finite:  # masks of the finite elements (a sum may also overflow: test them)
+    if not math.isfinite(error):  # masks of the finite elements (a difference may also overflow)
         rf, cf = torch.isfinite(r), torch.isfinite(c)
-        finite = bool(rf.all()) and bool(cf.all())
-    ref_norm = float(torch.linalg.vector_norm(r if finite else r[rf])) if r.numel() else 0.0
-    if not finite and not bool(torch.equal(rf, cf) and torch.equal(r[~rf].nan_to_num(1.0, 2.0, -2.0),
-                                                                    c[~cf].nan_to_num(1.0, 2.0, -2.0))):
+        if bool(rf.all()) and bool(cf.all()):
+            rf = None
+    ref_norm = float(torch.linalg.vector_norm(r if rf is None else r[rf])) if r.numel() else 0.0
+    if rf is not None and not bool(torch.equal(rf, cf) and torch.equal(r[~rf].nan_to_num(1.0, 2.0, -2.0),
+                                                                       c[~cf].nan_to_num(1.0, 2.0, -2.0))):
         bad = (~cf & rf).nonzero()
         where = f" first at index {bad[0].tolist()}" if len(bad) else ""
         return TensorCheck(**base, status="nonfinite", error=math.inf, threshold=0.0, ratio=math.inf,
@@ -205,9 +206,12 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
                                 f"in the candidate, {int((~rf).sum())} in the reference;{where}")
     dev = DeviationOf(r, ref_t.dtype, phase, finite=True if rf is None else rf)
     cc = dev.part(c)
-    diff = cc - dev.ref
-    max_abs = float(diff.abs().max()) if diff.numel() else 0.0
-    error = float(torch.linalg.vector_norm(diff if dev.excess is None else dev.excess(cc))) if diff.numel() else 0.0
+    if rf is not None:  # the same non-finite pattern: their positions count as equal
+        diff = cc - dev.ref
+        error = float(torch.linalg.vector_norm(diff))
+    max_abs = float(torch.linalg.vector_norm(diff, math.inf)) if diff.numel() else 0.0
+    if dev.excess is not None and diff.numel():
+        error = float(torch.linalg.vector_norm(dev.excess(cc)))
     if not noisy:
         return TensorCheck(**base, status="unchecked", error=error, threshold=math.nan, ratio=math.nan,
                            max_abs=max_abs, ref_norm=ref_norm, note="no noise sample traced this tensor")

@@ -48,7 +48,7 @@ from tracer.decisions import TOPK_CONSUMER_META, TOPK_META
 from tracer.errors import TraceError
 from tracer.store import TraceReader, TraceWriter
 
-__all__ = ["DEVIATION_FIELD", "DeviationOf", "MomentAccumulator", "MomentWriter", "SampleMoments", "combined_moments",
+__all__ = ["DEVIATION_FIELD", "DeviationOf", "Key", "MomentAccumulator", "MomentWriter", "SampleMoments", "combined_moments",
            "entry_key", "storage_rounding_excess", "work_dtype"]
 
 #: manifest entry field of a tensor stored as moments: ``{"dtype", "shape"}`` of the traced tensor and
@@ -59,7 +59,7 @@ DEVIATION_FIELD = "deviation_moments_of"
 #: stored dtypes whose comparison arithmetic runs in float32 (:func:`work_dtype`)
 _FLOAT32_WORK = (torch.float32, torch.bfloat16, torch.float16)
 
-Key = tuple[str, str, int, int]
+Key = tuple[str, str, int, int]  # phase, name, microbatch, call: what matches a tensor across traces
 
 
 def entry_key(e: dict[str, Any]) -> Key:
