@@ -21,7 +21,6 @@ SIG = "toy-model"
 def _moments(ref: torch.Tensor, noisy: list[torch.Tensor], phase: str, factor_c: float = 2.0):
     """Moments of ``noisy`` as MomentWriter computes them, combined with ``c`` weighted by ``factor_c``."""
     acc = MomentAccumulator()
-    acc.start_step(0)
     work = work_dtype(ref.dtype)
     dev = DeviationOf(ref.to(work), ref.dtype, phase)
     zqc = [acc.moments(("fwd", "x", 0, 0), dev(n)).tolist() for n in noisy]
@@ -72,7 +71,6 @@ def _runs(tmp_path, store: str, samples: int = 4, meta=None):
     root = tmp_path / store / "ref"
     _trace(root, ref)
     acc = MomentAccumulator()
-    acc.start_step(0)
     for i in range(samples):
         noisy = {k: (v + 1e-3 * torch.randn(v.shape, generator=g).to(v.dtype)) if v.is_floating_point() else v
                  for k, v in ref.items()}
@@ -133,7 +131,6 @@ def test_moments_of_another_shape_are_refused():
 
 def test_the_writer_needs_a_flushed_full_reference(tmp_path):
     acc = MomentAccumulator()
-    acc.start_step(0)
     ref = tmp_path / "ref"
     TraceWriter(ref, 0, 1, LAYOUT, SIG)  # run.json only: step 0 never flushed
     w = MomentWriter(tmp_path / "s0", ref, 0, acc, LAYOUT, SIG)
@@ -148,7 +145,6 @@ def test_the_writer_needs_a_flushed_full_reference(tmp_path):
 
 def test_a_tensor_the_clean_step_did_not_trace_is_stored_whole(tmp_path):
     acc = MomentAccumulator()
-    acc.start_step(0)
     ref = tmp_path / "ref"
     _trace(ref, {"a": torch.ones(3)})
     w = MomentWriter(tmp_path / "s0", ref, 0, acc, LAYOUT, SIG)

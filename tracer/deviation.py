@@ -124,15 +124,10 @@ class MomentAccumulator:
     """``a = sum_{t<s} d_t^2`` per tensor over the samples of one step (module doc)."""
 
     def __init__(self) -> None:
-        self.step: int | None = None
         self.sums: dict[Key, torch.Tensor] = {}
 
-    def start_step(self, step: int) -> None:
-        """Forget the previous step's sums (call before the first sample of ``step``)."""
-        self.step, self.sums = step, {}
-
-    def clear(self) -> None:
-        """Release the sums (after the last sample of a step)."""
+    def reset(self) -> None:
+        """Forget the sums: before the first sample of a step, and after its last (memory)."""
         self.sums = {}
 
     def moments(self, key: Key, d: torch.Tensor) -> torch.Tensor:
@@ -150,7 +145,7 @@ class MomentWriter(TraceWriter):
     as its deviation moments from the clean step's trace under ``reference`` (module doc).
 
     The clean step must be flushed (full mode) before the sample traces it, and ``moments``
-    must have been told the step (:meth:`MomentAccumulator.start_step`)."""
+    reset before the first sample of each step (:meth:`MomentAccumulator.reset`)."""
 
     def __init__(self, root: str | Path, reference: str | Path, sample: int, moments: MomentAccumulator,
                  layout: dict[str, Any], model_signature: str, *, run_id: str = "") -> None:

@@ -133,7 +133,7 @@ class NoiseSampler:
             self.states = [before] * len(self.writers)
         memo = AmplitudeMemo() if self.reuse_amplitudes else None
         if self.moments is not None:
-            self.moments.start_step(step)
+            self.moments.reset()
         for i, w in enumerate(self.writers):
             self.states[i].restore()
             gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 101 + i)
@@ -144,7 +144,7 @@ class NoiseSampler:
                 traced_step(w)
             self.states[i] = StateSnapshot(self.model, self.optimizer)
         if self.moments is not None:
-            self.moments.clear()
+            self.moments.reset()
         if memo is not None:
             self.amplitude_hits += memo.hits
             self.amplitude_misses += memo.misses
