@@ -199,3 +199,50 @@ def test_a_noise_sampler_storing_moments_gives_the_thresholds_of_whole_samples(t
         assert (a.step, a.phase, a.name, a.status) == (b.step, b.phase, b.name, b.status)
         assert a.threshold == pytest.approx(b.threshold, rel=1e-5, abs=0.0)
     assert sum(r.threshold > 0 for r in rows["moments"]) > 20
+
+
+# ------------------------------------------------------------------ statistics-only candidates
+def test_storage_rounding_allowance_bounds_what_the_excess_removes():
+    """||x - ref|| - ||excess(x)|| <= the allowance from norms, on one-ulp flips of bf16 values just
+    above powers of two (where it is nearly attained) and on random differences; a factor 1
+    instead of 2 is violated (negative control)."""
+    from tracer.deviation import storage_rounding_allowance, storage_rounding_excess
+    g = torch.Generator().manual_seed(5)
+    signs = torch.where(torch.rand(4096, generator=g) < 0.5, -1.0, 1.0)
+    ref = (torch.exp2(torch.randint(-20, 20, (4096,), generator=g).float()) * 1.0078125 * signs).to(torch.bfloat16)
+    flips = (ref.float().abs() * (1 + 2.0 ** -7)).to(torch.bfloat16) * torch.sign(ref)  # one bf16 ulp up
+    for x in (flips, (ref.float() * (1 + 0.05 * torch.randn(4096, generator=g))).to(torch.bfloat16)):
+        r32, x32 = ref.float(), x.float()
+        removed = float((x32 - r32).norm()) - float(storage_rounding_excess("param", torch.bfloat16, r32)(x32).norm())
+        allowance = storage_rounding_allowance("param", torch.bfloat16, float(x32.norm()), float(r32.norm()), 4096)
+        assert 0 <= removed <= allowance
+    removed_flips = float((flips.float() - ref.float()).norm())
+    half = storage_rounding_allowance("param", torch.bfloat16, float(flips.float().norm()), float(ref.float().norm()),
+                                      4096) / 2
+    assert removed_flips > half  # the factor 2 is needed
+    assert storage_rounding_allowance("fwd", torch.bfloat16, 1.0, 1.0, 10) == 0.0
+    assert storage_rounding_allowance("param", torch.float32, 1.0, 1.0, 10) == 0.0
+
+
+def test_a_statistics_only_candidate_is_held_to_the_excess_like_its_threshold(tmp_path):
+    """Moments of a bf16 parameter hold storage-rounding excesses (one-ulp flips removed); a
+    stats-only candidate whose values are one-ulp flips of the reference (a legitimate
+    difference, norm moved by ~2^-8) is within it (without the allowance it was flagged)."""
+    g = torch.Generator().manual_seed(2)
+    ref = (1.0078125 * torch.ones(256)).to(torch.bfloat16)
+    root = tmp_path / "ref"
+    w = TraceWriter(root, 0, 1, LAYOUT, SIG)
+    w.add("p", ref, phase="param", step=0)
+    w.flush_step(0)
+    acc = MomentAccumulator()
+    for i in range(4):
+        noisy = ref.float().clone()
+        noisy[torch.randint(0, 256, (3,), generator=g)] += 0.05  # a few elements beyond one ulp
+        sw = MomentWriter(root / "noise" / f"sample_{i}", root, i, acc, LAYOUT, SIG)
+        sw.add("p", noisy.to(torch.bfloat16), phase="param", step=0)
+        sw.flush_step(0)
+    cw = TraceWriter(tmp_path / "cand", 0, 1, LAYOUT, SIG, mode="stats")
+    cw.add("p", (ref.float() * (1 + 2.0 ** -7)).to(torch.bfloat16), phase="param", step=0)
+    cw.flush_step(0)
+    row = compare(root, tmp_path / "cand").rows[0]
+    assert row.status == "ok", row

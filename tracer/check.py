@@ -36,7 +36,7 @@ from tracer.decisions import TOPK_CONSUMER_META, TOPK_META, ChoiceChange, choice
 from tracer.errors import IncomparableRunsError, TraceError
 from tracer.store import TraceReader
 from tracer.deviation import (DEVIATION_FIELD, DeviationOf, Key, SampleMoments, combined_moments, entry_key,
-                              work_dtype)
+                              storage_rounding_allowance, work_dtype)
 from tracer.thresholds import (DEFAULT_FALSE_ALARM, deviation_threshold, moments_threshold, noise_threshold,
                                unmodelled_threshold)
 
@@ -347,6 +347,8 @@ def _check_stats(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor
     if th.threshold == 0.0 and ref_t.is_floating_point():
         th = unmodelled_threshold(r, ref_t.dtype)
     err = abs(cn - ref_norm)
+    if isinstance(noisy, SampleMoments):  # a threshold of storage-rounding excesses: bound the candidate's alike
+        err = max(0.0, err - storage_rounding_allowance(phase, ref_t.dtype, cn, ref_norm, r.numel()))
     ratio = err / th.threshold if th.threshold > 0 else (0.0 if err == 0 else math.inf)
     return TensorCheck(**base, status="over" if ratio > 1 else "ok", error=err, threshold=th.threshold,
                        ratio=ratio, max_abs=math.nan, ref_norm=ref_norm, n_eff=th.n_eff, factor=th.factor,

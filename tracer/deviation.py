@@ -49,7 +49,7 @@ from tracer.errors import TraceError
 from tracer.store import TraceReader, TraceWriter
 
 __all__ = ["DEVIATION_FIELD", "DeviationOf", "Key", "MomentAccumulator", "MomentWriter", "SampleMoments", "combined_moments",
-           "entry_key", "storage_rounding_excess", "work_dtype"]
+           "entry_key", "storage_rounding_allowance", "storage_rounding_excess", "work_dtype"]
 
 #: manifest entry field of a tensor stored as moments: ``{"dtype", "shape"}`` of the traced tensor and
 #: the ``sample`` index (``c`` sums over the samples before it); the entry's own ``dtype``/``shape``
@@ -92,6 +92,25 @@ def storage_rounding_excess(phase: str, dtype: torch.dtype, ref: torch.Tensor
     from ttrace_num.formats import get_format, half_ulp
     fmt = get_format(dtype)
     return lambda x: ((x - ref).abs() - 2 * half_ulp(torch.maximum(x.abs(), ref.abs()), fmt, x.dtype)).clamp_min(0.0)
+
+
+def storage_rounding_allowance(phase: str, dtype: torch.dtype, norm_x: float, norm_ref: float, numel: int) -> float:
+    """An upper bound on ``||x - ref||_2 - ||excess(x)||_2`` from norms alone, for
+    :func:`storage_rounding_excess` (0 where it does not apply): what a statistics-only
+    comparison subtracts from its lower bound ``| ||x|| - ||ref|| |`` of ``||x - ref||`` before
+    comparing it with a threshold of excesses.
+
+    Derivation: elementwise ``|x_i - ref_i| <= excess_i + 2 h_i`` with ``h_i`` the half-ulp of
+    ``max(|x_i|, |ref_i|)``, so ``||x - ref|| <= ||excess|| + 2 ||h||`` (triangle inequality);
+    ``h_i <= u max(|x_i|, |ref_i|) + s`` (``u`` the unit roundoff, ``s`` the format's absolute
+    bound below its normal range), ``||max(|x|, |ref|)|| <= sqrt(||x||^2 + ||ref||^2)``, hence
+    ``2 ||h|| <= 2 (u sqrt(||x||^2 + ||ref||^2) + s sqrt(n))``. Attained within ~1.4x by one-ulp
+    flips of values just above a power of two (``tests/test_deviation.py``)."""
+    if phase != "param" or dtype not in (torch.bfloat16, torch.float16):
+        return 0.0
+    from ttrace_num.formats import get_format
+    fmt = get_format(dtype)
+    return 2 * (fmt.u * math.hypot(norm_x, norm_ref) + fmt.subnormal_abs_error * math.sqrt(numel))
 
 
 class DeviationOf:
