@@ -1,16 +1,20 @@
 """Cost of tracing and comparing, on real megatron-core (CPU/gloo).
 
-    python -m bench.tracer_cost [--quick] [--write docs/cost.md] [--out DIR] [--keep]
+    python -m bench.tracer_cost [--quick] [--models demo,large] [--write docs/cost.md] [--out DIR] [--keep]
+    python -m bench.tracer_cost --models xl --noise-samples 1 --steps 3 --write docs/cost-xl.md
 
-Measured on two models: the demo model (``examples.megatron_cpu.gpt.DEFAULT_MODEL``) and a
-larger one (hidden 256, 4 layers, ffn 1024, seq 128, vocab 1024), in bf16 with fp32 main
-params (the demo's dtype), global batch 4 (large: 1) in micro batches of 1, on two layouts: one process
+Measured by default on two models: the demo model (``examples.megatron_cpu.gpt.DEFAULT_MODEL``)
+and a larger one (hidden 256, 4 layers, ffn 1024, seq 128, vocab 1024); ``--models xl`` takes
+one whose step is dominated by its GEMMs rather than by per-op overhead (hidden 1024, 4 layers,
+ffn 4096, seq 512, vocab 4096: 54M parameters, ~1.3 s a step). In bf16 with fp32 main
+params (the demo's dtype), global batch 4 (large, xl: 1) in micro batches of 1, on two layouts: one process
 (world 1, tp1) and tp2+sp (world 2). One gloo launch per world size runs every job.
 
 1. **Tracing overhead**: the median wall time of a traced step over that of an untraced
    step (``build_and_train``'s ``step_s``, first step dropped as warm-up; world 2: the
-   slowest rank per step), for ``TraceWriter`` mode ``stats`` (manifests only) and ``full``
-   (tensors too). Modes run in turn, ``--reps`` times in a rotated order, and the measured
+   slowest rank per step), for ``TraceWriter`` mode ``stats`` (manifests only), ``full``
+   (tensors too) and ``full`` with ``background=True`` (each step written, and its copies'
+   statistics taken, on the writer's thread while the run goes on: ``full_bg``). Modes run in turn, ``--reps`` times in a rotated order, and the measured
    steps of every repetition are pooled, so that a slow patch of a shared machine does not
    land on one mode only.
 2. **Trace bytes per step and rank** (manifest + tensor file), full and stats.
@@ -68,13 +72,15 @@ MODELS: dict[str, dict[str, int]] = {
     "demo": dict(DEFAULT_MODEL),
     "large": {"num_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "ffn_hidden_size": 1024,
               "vocab_size": 1024, "seq_length": 128},
+    "xl": {"num_layers": 4, "hidden_size": 1024, "num_attention_heads": 8, "ffn_hidden_size": 4096,
+           "vocab_size": 4096, "seq_length": 512},
 }
 LAYOUTS: dict[int, dict[str, Any]] = {1: {"tp": 1, "pp": 1, "dp": 1},
                                       2: {"tp": 2, "pp": 1, "dp": 1, "sp": True}}
-MODES = ("untraced", "stats", "full")
+MODES = ("untraced", "stats", "full", "full_bg")
 #: sequences per step (micro batches of 1): the large model takes 1, to keep a bf16 step near 2 s
 #: on one CPU thread (with 4 sequences it took ~6.5 s)
-GLOBAL_BATCH = {"demo": 4, "large": 1}
+GLOBAL_BATCH = {"demo": 4, "large": 1, "xl": 1}
 SEED = 1234
 
 
@@ -126,17 +132,24 @@ def _profile_text(prof: cProfile.Profile, restrict: str, n: int = 14) -> str:
     return "\n".join(out)
 
 
-def _jobs(world: int, out: Path, *, steps: int, reps: int, dtype: str, noise_samples: int,
+def _trace_spec(mode: str, root: Path) -> dict | None:
+    """The harness's ``trace`` argument for a measured mode (``full_bg``: full, background writer)."""
+    if mode == "untraced":
+        return None
+    return {"root": str(root), "mode": mode.removesuffix("_bg"), "background": mode.endswith("_bg")}
+
+
+def _jobs(world: int, out: Path, models: list[str], *, steps: int, reps: int, dtype: str, noise_samples: int,
           profile: bool = True) -> list[dict]:
     """The jobs of one launch: every model x mode x repetition (rotated order); on world 1 also
     the reference with noise samples (full mode), which is the comparison's reference."""
     jobs = []
-    for model in MODELS:
+    for model in models:
         for rep in range(reps):
             for i in range(len(MODES)):
                 mode = MODES[(i + rep) % len(MODES)]
                 root = out / f"w{world}" / model / f"{mode}_r{rep}"
-                trace = None if mode == "untraced" else {"root": str(root), "mode": mode}
+                trace = _trace_spec(mode, root)
                 jobs.append({"model": model, "mode": mode, "rep": rep, "label": f"{mode} r{rep}",
                              "layout": LAYOUTS[world], "steps": steps, "dtype": dtype, "trace": trace})
         if world == 1 and noise_samples:
@@ -145,7 +158,7 @@ def _jobs(world: int, out: Path, *, steps: int, reps: int, dtype: str, noise_sam
                          "layout": LAYOUTS[1], "steps": steps, "dtype": dtype,
                          "trace": {"root": str(root), "mode": "full", "noise_samples": noise_samples,
                                    "noise_tp": LAYOUTS[2]["tp"]}})
-    if world == 1 and profile:  # where the tracing and the noise samples spend their time
+    if world == 1 and profile and "demo" in models:  # where the tracing and the noise samples spend their time
         for mode, extra in (("stats", {}), ("full", {"noise_samples": 1, "noise_tp": LAYOUTS[2]["tp"]})):
             root = out / "w1" / "demo" / f"profile_{mode}"
             jobs.append({"model": "demo", "mode": f"profile {mode}", "rep": 0, "label": f"profile {mode}",
@@ -251,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--noise-samples", type=int, help="S of the reference (default 4, quick 2)")
     ap.add_argument("--compare-reps", type=int, help="timed comparisons per model (default 1)")
     ap.add_argument("--compare-steps", type=int, help="steps compared (the first ones; default 2, quick 1)")
+    ap.add_argument("--models", default="demo,large",
+                    help=f"comma-separated models to measure, of {', '.join(MODELS)} (default demo,large)")
     ap.add_argument("--profile-model", default="demo", choices=sorted(MODELS),
                     help="model whose comparison is profiled (default demo: the large one takes minutes)")
     a = ap.parse_args(argv)
@@ -261,6 +276,11 @@ def main(argv: list[str] | None = None) -> int:
     csteps = a.compare_steps or (1 if a.quick else 2)
     if steps < 2:
         ap.error("--steps must be >= 2 (the first step is a warm-up)")
+    models = [m for m in a.models.split(",") if m]
+    if not models or any(m not in MODELS for m in models):
+        ap.error(f"--models takes a comma-separated subset of {', '.join(MODELS)}, got {a.models!r}")
+    if S < 1:
+        ap.error("--noise-samples must be >= 1 (the comparison needs the reference's thresholds)")
     out = a.out or Path(tempfile.mkdtemp(prefix="ttrace_cost_"))
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -270,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                                           ("--compare-steps", a.compare_steps))
                 if v is not None) + (f" --dtype {a.dtype}" if a.dtype != "bf16" else "") + \
         (f" --profile-model {a.profile_model}" if a.profile_model != "demo" else "") + \
+        (f" --models {a.models}" if a.models != "demo,large" else "") + \
         (f" --write {a.write}" if a.write else "")
     load0 = os.getloadavg()
     t0 = time.perf_counter()
@@ -277,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
           f"(first = warm-up), {reps} rep(s) per mode, S={S}; traces in {out}; load average {load0[0]:.2f}")
     results: dict[int, tuple[list[dict], list[list[dict]]]] = {}
     for world in (1, 2):
-        jobs = _jobs(world, out, steps=steps, reps=reps, dtype=a.dtype, noise_samples=S)
+        jobs = _jobs(world, out, models, steps=steps, reps=reps, dtype=a.dtype, noise_samples=S)
         t = time.perf_counter()
         print(f"  launch world {world} ({layout_name(LAYOUTS[world])}): {len(jobs)} runs", flush=True)
         results[world] = (jobs, run_gloo(_worker, world, jobs, timeout_s=3600.0))
@@ -286,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     # 1 + 2: overhead and bytes
     over_rows, bytes_rows = [], []
     med: dict[tuple[str, int, str], float] = {}
-    for model in MODELS:
+    for model in models:
         for world in (1, 2):
             jobs, per_rank = results[world]
             for mode in (*MODES, "noise"):
@@ -296,8 +317,10 @@ def main(argv: list[str] | None = None) -> int:
             n = len(_measured(jobs, per_rank, model, "untraced"))
             over_rows.append([model, lay, f"{base * 1e3:.0f}", f"{med[(model, world, 'stats')] * 1e3:.0f}",
                               f"{med[(model, world, 'full')] * 1e3:.0f}",
+                              f"{med[(model, world, 'full_bg')] * 1e3:.0f}",
                               f"**{med[(model, world, 'stats')] / base:.2f}x**",
-                              f"**{med[(model, world, 'full')] / base:.2f}x**", str(n)])
+                              f"**{med[(model, world, 'full')] / base:.2f}x**",
+                              f"**{med[(model, world, 'full_bg')] / base:.2f}x**", str(n)])
             for mode in ("stats", "full"):
                 per = [trace_bytes(out / f"w{world}" / model / f"{mode}_r0", r)[0] for r in range(world)]
                 bytes_rows.append([model, lay, mode, " / ".join(f"{b / 1e6:.3f}" for b in per)])
@@ -310,7 +333,7 @@ def main(argv: list[str] | None = None) -> int:
     cmp_rows = []
     false_pos: list[tuple[str, list]] = []  # the clean candidate must have none; reported as found
     prof = None
-    for model in MODELS:
+    for model in models:
         ref, cand = out / "w1" / model / "noise", out / "w2" / model / "full_r0"
         rc = _dir_bytes(ref, noise=False, steps=csteps) + _dir_bytes(cand, noise=False, steps=csteps)
         nb = _dir_bytes(ref, noise=True, steps=csteps)
@@ -332,7 +355,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # 4: cost of the thresholds
     noise_rows = []
-    for model in MODELS:
+    for model in models:
         clean, noisy, untr = med[(model, 1, "full")], med[(model, 1, "noise")], med[(model, 1, "untraced")]
         per_sample = (noisy - clean) / S
         reused, computed = next(rec["amplitudes"] for j, rec in zip(results[1][0], results[1][1][0])
@@ -357,8 +380,9 @@ def main(argv: list[str] | None = None) -> int:
           (f"Produced by `{cmd}` ({wall:.0f} s; load average {load0[0]:.2f} at the start, {load1[0]:.2f} at "
           f"the end, {os.cpu_count()} cores shared with other jobs; this machine's own CPU kernels ("
           f"{_kernels()}); one thread per gloo rank, compare in the "
-          f"parent with torch's default threads). Models: **demo** ({_model_desc('demo')}) and **large** "
-          f"({_model_desc('large')}), {a.dtype} with fp32 main params, micro batches of 1, Adam. {steps} steps "
+          f"parent with torch's default threads). Models: "
+          + "; ".join(f"**{m}** ({_model_desc(m)})" for m in models)
+          + f"; {a.dtype} with fp32 main params, micro batches of 1, Adam. {steps} steps "
           f"per run, the first dropped as warm-up; {reps} repetition(s) per mode in rotated order, steps pooled "
           f"(n = measured steps per mode); world 2: the slowest rank per step. Methodology: "
           f"`bench/tracer_cost.py` docstring.\n"),
@@ -367,8 +391,8 @@ def main(argv: list[str] | None = None) -> int:
           "slows every op of the training step, traced or not, while the tracer's copies and statistics "
           "run with torch functions disabled, so the ratios may understate the tracer's relative cost.\n"),
           "## Traced step over untraced step (goals: stats <= 1.2x, full <= 2x)\n",
-          _table(["model", "layout", "untraced ms", "stats ms", "full ms", "stats / untraced",
-                  "full / untraced", "n"], over_rows),
+          _table(["model", "layout", "untraced ms", "stats ms", "full ms", "full, background writer ms",
+                  "stats / untraced", "full / untraced", "full, background writer / untraced", "n"], over_rows),
           "\n## Trace bytes per step and rank (MB; world 2: rank 0 / rank 1)\n",
           _table(["model", "layout", "mode", "MB per step per rank"], bytes_rows)]
     md += profile_md("stats", "stats-only tracing")

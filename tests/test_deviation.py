@@ -155,8 +155,9 @@ def test_a_tensor_the_clean_step_did_not_trace_is_stored_whole(tmp_path):
 
 
 # ------------------------------------------------------------------ a real noise sampler
-def _train(root, store: str | None, perturb: float = 0.0, steps: int = 2):
-    """A tiny MLP trained with Adam, traced (reference: with 3 noise samples stored as ``store``)."""
+def _train(root, store: str | None, perturb: float = 0.0, steps: int = 2, background: bool = False):
+    """A tiny MLP trained with Adam, traced (reference: with 3 noise samples stored as ``store``;
+    ``background``: the run's writer writes on its own thread)."""
     from tracer.pytorch import DDPTracer
     from tracer.reference import NoiseSampler
     torch.manual_seed(0)
@@ -164,10 +165,10 @@ def _train(root, store: str | None, perturb: float = 0.0, steps: int = 2):
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-    writer = TraceWriter(root, 0, 1, LAYOUT, SIG)
+    writer = TraceWriter(root, 0, 1, LAYOUT, SIG, background=background)
     tr = DDPTracer(model, writer)
     sampler = None if store is None else NoiseSampler(model, opt, root, layout=LAYOUT, signature=SIG, samples=3,
-                                                      store=store)
+                                                      store=store, clean_writer=writer if background else None)
 
     def one_step(step, w=None):
         with tr.step(step, w):
@@ -184,6 +185,7 @@ def _train(root, store: str | None, perturb: float = 0.0, steps: int = 2):
         else:
             sampler.step(s, lambda w, s=s: one_step(s, w))
     tr.remove()
+    writer.close()
 
 
 def test_a_noise_sampler_storing_moments_gives_the_thresholds_of_whole_samples(tmp_path):
@@ -199,6 +201,18 @@ def test_a_noise_sampler_storing_moments_gives_the_thresholds_of_whole_samples(t
         assert (a.step, a.phase, a.name, a.status) == (b.step, b.phase, b.name, b.status)
         assert a.threshold == pytest.approx(b.threshold, rel=1e-5, abs=0.0)
     assert sum(r.threshold > 0 for r in rows["moments"]) > 20
+
+
+def test_a_background_reference_writer_gives_the_same_thresholds(tmp_path):
+    """A reference whose writer writes in the background (the samples wait for each clean step
+    through ``clean_writer``) gives the thresholds of one written synchronously, bit for bit."""
+    for name, background in (("sync", False), ("bg", True)):
+        _train(tmp_path / name, "moments", background=background)
+    _train(tmp_path / "cand", None, perturb=1e-7)
+    rows = {s: compare(tmp_path / s, tmp_path / "cand").rows for s in ("sync", "bg")}
+    assert len(rows["sync"]) == len(rows["bg"]) > 20
+    assert [(r.step, r.phase, r.name, r.status, r.threshold) for r in rows["sync"]] == \
+        [(r.step, r.phase, r.name, r.status, r.threshold) for r in rows["bg"]]
 
 
 # ------------------------------------------------------------------ statistics-only candidates

@@ -89,9 +89,12 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
     ref_lay = {"tp": 1, "pp": 1, "dp": 1}
     refs = [j for d in DTYPES for s in SEEDS
             for j in _jobs(root, ref_lay, f"ref_{d}_{s}", d, s, untraced=(d, s) == ("bf16", 0),
-                           trace={"noise_samples": NOISE_SAMPLES, "noise_tp": 2})]
+                           trace={"noise_samples": NOISE_SAMPLES, "noise_tp": 2, "background": True})]
+    # background writers on the references (whose noise samples read the clean step back from
+    # disk) and on the bf16 seed-0 candidates: every check below holds for their traces too
     cands = [j for name, lay in LAYOUTS.items() for d in DTYPES for s in SEEDS
-             for j in _jobs(root, lay, f"{name}_{d}_{s}", d, s, untraced=(d, s) == ("bf16", 0))]
+             for j in _jobs(root, lay, f"{name}_{d}_{s}", d, s, untraced=(d, s) == ("bf16", 0),
+                            trace={"background": (d, s) == ("bf16", 0)})]
     cands += [j for b in TESTED_BUGS for j in _jobs(root, LAYOUTS[BUG_LAYOUT], f"bug_{b}", "bf16", 0, bug=b)]
     cands += _jobs(root, LAYOUTS[BUG_LAYOUT], "stats_clean", "bf16", 0, trace={"mode": "stats"})
     cands += _jobs(root, LAYOUTS[BUG_LAYOUT], "stats_bug", "bf16", 0, trace={"mode": "stats"},

@@ -106,6 +106,12 @@ def test_stats_subsample_and_nonfinite():
     assert c["norm"] == pytest.approx(s["norm"], rel=1e-14) and c["mean"] == pytest.approx(s["mean"], rel=1e-14)
     assert {k: c[k] for k in ("nan_count", "inf_count", "absmax", "quantiles")} == \
         {k: s[k] for k in ("nan_count", "inf_count", "absmax", "quantiles")}
+    y = x.clone()
+    y[150_000] = float("nan")  # non-finite values in a later chunk as well
+    for k in (777, store.STATS_CHUNK):
+        t = tensor_stats(y, chunk=k)
+        assert (t["nan_count"], t["inf_count"], t["finite_count"]) == (2, 2, 199_996)
+        assert t["norm"] == pytest.approx(float(xf.norm().square().sub(150_000.0 ** 2).sqrt()), rel=1e-14)
     big = torch.tensor([1e300, 1e300], dtype=torch.float64)
     assert tensor_stats(big, chunk=1)["norm"] == pytest.approx(2 ** 0.5 * 1e300)  # no overflow across chunks
     assert s["quantiles"]["0.5"] == pytest.approx(100_000, rel=1e-2)
@@ -169,6 +175,59 @@ def test_disk_full_leaves_no_partial_file(tmp_path, monkeypatch, fail_at):
     assert w.pending_steps() == [7]  # nothing lost: retry after freeing space
     w.flush_step(7)
     assert sorted(os.listdir(tmp_path / "step_000007")) == ["rank_00001.json", "rank_00001.safetensors"]
+
+
+def _trace_of(root, step, rank=0):
+    """A flushed step as plain data: its manifest entries and tensors, for comparing writers."""
+    r = TraceReader(root)
+    entries = r.entries(step, rank)
+    return entries, {e["key"]: r.load(step, rank, e["key"]) for e in entries}
+
+
+def test_background_writer_writes_what_a_synchronous_one_does(tmp_path):
+    for sub, background in (("sync", False), ("bg", True)):
+        with TraceWriter(tmp_path / sub, 0, 1, LAYOUT, SIG, background=background) as w:
+            for step in (0, 1, 2):
+                for name, t in _tensors(seed=step).items():
+                    w.add(name, t, phase="fwd", step=step)
+                assert w.flush_step(step) == manifest_path(tmp_path / sub, step, 0)
+                with pytest.raises(TraceError, match="already flushed"):  # in flight counts as flushed
+                    w.add("late", torch.ones(1), phase="fwd", step=step)
+    for step in (0, 1, 2):
+        (e_sync, t_sync), (e_bg, t_bg) = _trace_of(tmp_path / "sync", step), _trace_of(tmp_path / "bg", step)
+        assert e_sync == e_bg and t_sync.keys() == t_bg.keys()
+        assert all(torch.equal(t_sync[k].view(torch.uint8), t_bg[k].view(torch.uint8)) for k in t_sync)
+
+
+def test_background_writer_error_is_raised_later_and_the_step_kept(tmp_path, monkeypatch):
+    w = TraceWriter(tmp_path, 1, 2, LAYOUT, SIG, background=True)
+    w.add("w", torch.randn(64), phase="grad", step=7)
+
+    def enospc(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(store, "save_file", enospc)
+    w.flush_step(7)  # returns: the write fails on the writing thread
+    w.add("w", torch.randn(64), phase="grad", step=8)
+    with pytest.raises(TraceWriteError, match="No space left on device.*step 7"):
+        w.flush_step(8)  # the error of step 7 comes first; step 8 is not handed over
+    assert w.pending_steps() == [7, 8]  # nothing lost
+    assert sorted(os.listdir(tmp_path / "step_000007")) == []
+    monkeypatch.undo()
+    w.close()
+    for step in (7, 8):
+        assert sorted(os.listdir(tmp_path / f"step_{step:06d}")) == ["rank_00001.json", "rank_00001.safetensors"]
+    assert w.pending_steps() == []
+
+
+def test_background_writer_lands_the_step_in_flight_when_the_run_fails(tmp_path):
+    with pytest.raises(RuntimeError, match="training failed"):
+        with TraceWriter(tmp_path, 0, 1, LAYOUT, SIG, background=True) as w:
+            w.add("x", torch.randn(1 << 16), phase="fwd", step=0)
+            w.flush_step(0)
+            w.add("x", torch.randn(8), phase="fwd", step=1)  # never flushed: the run failed
+            raise RuntimeError("training failed")
+    assert TraceReader(tmp_path).steps() == [0]
 
 
 def test_missing_rank(tmp_path):

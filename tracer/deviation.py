@@ -179,7 +179,8 @@ class MomentWriter(TraceWriter):
             reader = TraceReader(self.reference)
             if step not in reader.steps():
                 raise TraceError("the clean step is not in the reference's trace: a noise sample stored as moments "
-                                 "needs it flushed first (full mode)", path=self.reference, rank=0, step=step)
+                                 "needs it flushed first (full mode; a background writer: pass it to NoiseSampler as "
+                                 "clean_writer)", path=self.reference, rank=0, step=step)
             if reader.manifest(step, 0)["mode"] != "full":
                 raise TraceError("the reference traced this step in stats mode: noise samples stored as moments "
                                  "need its tensors (trace the reference in full mode)", path=self.reference,

@@ -93,11 +93,15 @@ class NoiseSampler:
             (:mod:`tracer.deviation`; needs the reference traced in full mode); ``"tensors"``:
             the sample's tensors whole (for analyses beyond the thresholds, e.g.
             ``bench.sensitivity``), S times the reference's trace on disk.
+        clean_writer: the reference's own writer, when it writes in the background
+            (``TraceWriter(background=True)``): the samples wait for the clean step to be on
+            disk (moments are taken against it) before they run.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: Any, root: str | Path, *, layout: dict[str, Any],
                  signature: str, samples: int = 4, seed: int = 0, injector_kwargs: dict[str, Any] | None = None,
-                 custom_functions: Sequence[type] = (), reuse_amplitudes: bool = True, store: str = "moments") -> None:
+                 custom_functions: Sequence[type] = (), reuse_amplitudes: bool = True, store: str = "moments",
+                 clean_writer: TraceWriter | None = None) -> None:
         if samples < 1:
             raise ValueError("need at least one noise sample")
         if store not in ("moments", "tensors"):
@@ -106,6 +110,7 @@ class NoiseSampler:
         self.seed = int(seed)
         self.injector_kwargs = {"mode": "probabilistic", **(injector_kwargs or {})}
         self.custom_functions = tuple(custom_functions)
+        self.clean_writer = clean_writer
         self.reuse_amplitudes = reuse_amplitudes
         self.amplitude_hits = self.amplitude_misses = 0  # over all steps, for reports
         self.moments = MomentAccumulator() if store == "moments" else None
@@ -128,6 +133,8 @@ class NoiseSampler:
         from ttrace_num.propagate.noise import NoiseInjector, perturb_custom_backward
         before = StateSnapshot(self.model, self.optimizer)
         out = traced_step(None)
+        if self.clean_writer is not None:
+            self.clean_writer.wait()
         after = StateSnapshot(self.model, self.optimizer)
         if not self.states:
             self.states = [before] * len(self.writers)

@@ -23,8 +23,9 @@ __all__ = ["TracedRun"]
 
 class TracedRun:
     """One rank's tracing of a harness run: ``trace = {"root": dir, "mode": "full"|"stats",
-    "noise_samples": S, "noise_tp": T, "noise_seed": k, "reuse_amplitudes": bool, "capture": [...]}``;
-    ``S > 0`` only on the single-process reference."""
+    "background": bool, "noise_samples": S, "noise_tp": T, "noise_seed": k, "reuse_amplitudes": bool,
+    "capture": [...]}``; ``S > 0`` only on the single-process reference; ``background``: the
+    writer writes each step on a thread of its own (``TraceWriter(background=True)``)."""
 
     def __init__(self, trace: dict, model: Any, config: Any, optimizer: Any, *,
                  layout: dict, dtype: str, num_microbatches: int, signature: str) -> None:
@@ -35,7 +36,7 @@ class TracedRun:
         if int(layout.get("vpp", 1)) > 1:
             lay["vpp"] = int(layout["vpp"])
         self.writer = TraceWriter(self.root, rank, world, lay, signature, mode=trace.get("mode", "full"),
-                                  run_id=str(trace.get("run_id", "")))
+                                  run_id=str(trace.get("run_id", "")), background=bool(trace.get("background", False)))
         self.mt = MegatronTracer(model, config, self.writer, num_microbatches=num_microbatches,
                                  capture=trace.get("capture", ("fwd_in", "fwd_out", "bwd_out", "grad_local",
                                                                "grad", "param")))
@@ -47,9 +48,8 @@ class TracedRun:
             self.sampler = NoiseSampler(model, optimizer, self.root, layout=lay, signature=signature,
                                         samples=samples, seed=int(trace.get("noise_seed", 0)),
                                         reuse_amplitudes=bool(trace.get("reuse_amplitudes", True)),
-                                        store=str(trace.get("noise_store", "moments")),
+                                        store=str(trace.get("noise_store", "moments")), clean_writer=self.writer,
                                         **reference_noise(int(trace.get("noise_tp", 2)), dtype))
-        self.bytes = 0
 
     def step(self, step: int, forward_backward: Callable, forward_step: Callable) -> tuple[float, list]:
         """Run (and trace) one step: ``forward_backward(step_fn)`` runs megatron's schedule
@@ -64,16 +64,17 @@ class TracedRun:
                 self.mt.after_optimizer_step(gnorm)
             return gnorm, losses
 
-        gnorm, losses = traced_step() if self.sampler is None else self.sampler.step(step, traced_step)
-        f = self.root / f"step_{step:06d}" / f"rank_{dist.get_rank():05d}.safetensors"
-        self.bytes += f.stat().st_size if f.exists() else 0
-        return gnorm, losses
+        return traced_step() if self.sampler is None else self.sampler.step(step, traced_step)
 
     def summary(self) -> dict:
-        return {"root": str(self.root), "bytes": self.bytes,
+        """Where the trace is and its size (waits for a background writer: everything on disk)."""
+        self.writer.wait()
+        files = self.root.glob(f"step_*/rank_{dist.get_rank():05d}.safetensors")
+        return {"root": str(self.root), "bytes": sum(f.stat().st_size for f in files),
                 "noise_samples": len(self.sampler.writers) if self.sampler else 0,
                 "amplitudes_reused": self.sampler.amplitude_hits if self.sampler else 0,
                 "amplitudes_computed": self.sampler.amplitude_misses if self.sampler else 0}
 
     def close(self) -> None:
         self.mt.remove()
+        self.writer.wait()
