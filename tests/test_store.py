@@ -190,6 +190,8 @@ def test_background_writer_writes_what_a_synchronous_one_does(tmp_path):
             for step in (0, 1, 2):
                 for name, t in _tensors(seed=step).items():
                     w.add(name, t, phase="fwd", step=step)
+                big = torch.randn(store.STATS_CHUNK + 1, generator=torch.Generator().manual_seed(step))
+                w.add("big", big.to(torch.bfloat16), phase="fwd", step=step)  # statistics on the thread
                 assert w.flush_step(step) == manifest_path(tmp_path / sub, step, 0)
                 with pytest.raises(TraceError, match="already flushed"):  # in flight counts as flushed
                     w.add("late", torch.ones(1), phase="fwd", step=step)

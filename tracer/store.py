@@ -325,9 +325,9 @@ class TraceWriter:
     Tensors are copied (``detach`` + copy to CPU) when added; the training tensors
     are never modified. In ``mode="stats"`` only their statistics are kept.
 
-    ``background=True`` writes each flushed step on a thread of its own while the run goes
-    on (writing is disk-bound and releases the GIL): a full trace of a large model then costs
-    little more than its copies. At most one step is in flight (``flush_step`` first waits
+    ``background=True`` writes each flushed step, after the statistics of its large copies,
+    on a thread of its own while the run goes on (writing and torch's reductions release the
+    GIL): a full trace of a large model then costs little more than its copies. At most one step is in flight (``flush_step`` first waits
     for the previous one), so the buffered copies are at most two steps' worth; ``wait()``
     blocks until the step in flight is on disk, ``close()`` (or leaving the ``with`` block)
     until everything is.
@@ -409,8 +409,9 @@ class TraceWriter:
         with torch._C.DisableTorchFunction():  # plain copy and stats even under a TorchFunctionMode
             # stats mode keeps no data: the statistics read the tensor where it is, no copy
             copy = tensor.detach().to("cpu", copy=True).contiguous() if self.mode == "full" else tensor.detach()
-            # a background writer takes a full copy's statistics on its thread, off the run's path
-            later = self.mode == "full" and self._executor is not None
+            # a background writer takes a large full copy's statistics on its thread, off the run's
+            # path; a small one's here (their cost is Python that would contend for the GIL there)
+            later = self.mode == "full" and self._executor is not None and copy.numel() >= STATS_CHUNK
             entry = {"key": key, "name": name, "phase": phase, "step": step,
                      "microbatch": int(microbatch), "index": int(index),
                      "dtype": _dtype_name(copy.dtype), "shape": list(copy.shape),
