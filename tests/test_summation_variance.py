@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from ttrace_num.bounds.summation import Summation
-from ttrace_num.bounds.summation_variance import difference_std, matmul_variance, sum_variance
+from ttrace_num.formats import get_format
+from ttrace_num.bounds.summation_variance import difference_std, matmul_variance, may_stagnate, sum_variance
 
 VECTORS = {
     "mixed": [0.3, -1.2, 2.0, 0.7, -0.4, 1.1],
@@ -154,3 +155,58 @@ def test_cpu_bf16_layer_norm_parameter_grads_follow_the_bf16_chain_model(tokens)
     assert 0.2 <= ratio <= 1.0
     # a float accumulation would differ by its three final roundings: at most 1.5 half-ulps
     assert float(diff.pow(2).mean().sqrt()) > 2 * one_rounding
+
+
+def _layer_norm_dbeta_split(tokens: int, coherence: float, width: int = 512):
+    """torch's CPU bf16 layer-norm bias gradient over all tokens minus over two halves (added in
+    fp32), for gradients ``0.01 (z + coherence v)`` (``v`` shared by the tokens); the terms, and
+    the variance of the bf16-chain model of both runs."""
+    import torch.nn as nn
+    g0 = torch.Generator().manual_seed(tokens + int(coherence * 10))
+    x = torch.randn(tokens, 1, width, generator=g0).bfloat16()
+    v = torch.randn(1, 1, width, generator=g0)
+    g = ((torch.randn(tokens, 1, width, generator=g0) + coherence * v) * 1e-2).bfloat16()
+
+    def dbeta(xs, gs):
+        ln = nn.LayerNorm(width).bfloat16()
+        ln(xs.clone().requires_grad_()).backward(gs)
+        return ln.bias.grad.double()
+
+    half = tokens // 2
+    diff = dbeta(x, g) - (dbeta(x[:half], g[:half]) + dbeta(x[half:], g[half:]))
+    t = g.reshape(tokens, width)
+    t64 = t.double()
+    q, c = (t64 * t64).sum(0), t64.sum(0)
+    models = (Summation(accum="bf16"), Summation(accum="bf16", split=2, reduce_fmt="fp32"))
+    var = sum(sum_variance(q, c, tokens, m, False) for m in models)
+    return diff, t, var, models
+
+
+@pytest.mark.parametrize("tokens,coherence", [(256, 10.0), (512, 3.0), (1024, 3.0), (2048, 1.0)])
+def test_stagnating_bf16_chains_are_marked_and_bounded(tokens, coherence):
+    """Long bf16 chains of coherent terms absorb their addends: the variance model is exceeded
+    (the failure this guards against), the elements ``may_stagnate`` leaves unmarked stay within
+    it, and the marked ones within the deterministic difference bound the noise injector gives
+    them."""
+    import ttrace_num as tn
+    diff, t, var, models = _layer_norm_dbeta_split(tokens, coherence)
+    overall = float(diff.pow(2).mean().sqrt() / var.mean().sqrt())
+    stuck = may_stagnate(t, get_format("bf16"))
+    free = ~stuck
+    worst = tn.difference("sum", t, dim=0, model_a={"summation": models[0]}, model_b={"summation": models[1]},
+                          mode="deterministic").abs
+    free_ratio = float(diff[free].pow(2).mean().sqrt() / var[free].mean().sqrt()) if free.any() else 0.0
+    tight = float((worst[stuck] / diff[stuck].abs().clamp(min=1e-30)).median())
+    print(f"{tokens} tokens, coherence {coherence}: model exceeded {overall:.2f}x; {int(stuck.sum())}/{stuck.numel()} "
+          f"marked; unmarked at {free_ratio:.2f}x of the model; marked: bound / |difference| median {tight:.0f}")
+    assert overall > 1.4
+    assert free_ratio <= 1.0
+    assert bool((diff[stuck].abs() <= worst[stuck]).all())
+
+
+def test_short_bf16_chains_are_never_marked():
+    """``max |S_j| <= K rms(t)``: a chain shorter than ``m / u`` (128 terms in bf16) is never
+    marked, whatever its terms (all equal: the largest prefix sums there are)."""
+    fmt = get_format("bf16")
+    assert not bool(may_stagnate(torch.ones(127, 4), fmt).any())
+    assert bool(may_stagnate(torch.ones(128, 4), fmt).all())  # the bound is reached

@@ -162,6 +162,15 @@ def _worst_ranks(full_shape: tuple[int, ...], flat_index: int, entries: dict[int
     return sorted(out)
 
 
+def _max_abs(x: torch.Tensor) -> float:
+    """``max |x|`` (0 when empty, NaN when ``x`` has one) from one ``aminmax`` pass: torch's CPU
+    kernel for the inf-norm takes ~9x as long on 4M float32 values (11.4 vs 1.3 ms)."""
+    if not x.numel():
+        return 0.0
+    lo, hi = torch.aminmax(x)
+    return max(-float(lo), float(hi))
+
+
 def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, cand_t: torch.Tensor,
                notes: list[str], noisy: "list[torch.Tensor] | SampleMoments", false_alarm: float,
                cand_entries: dict[int, dict[str, Any]], work: torch.dtype | None = None) -> TensorCheck:
@@ -209,7 +218,7 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
     if rf is not None:  # the same non-finite pattern: their positions count as equal
         diff = cc - dev.ref
         error = float(torch.linalg.vector_norm(diff))
-    max_abs = float(torch.linalg.vector_norm(diff, math.inf)) if diff.numel() else 0.0
+    max_abs = _max_abs(diff)
     if dev.excess is not None and diff.numel():
         error = float(torch.linalg.vector_norm(dev.excess(cc)))
     if not noisy:

@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 
 import ttrace_num as tn
 from ..bounds.summation import Summation
-from ..bounds.summation_variance import matmul_sum_statistics, sum_variance
+from ..bounds.summation_variance import matmul_sum_statistics, may_stagnate, sum_variance
 from ..formats import get_format, half_ulp
 from .calls import OpCall, classify
 from .local import LocalBounds, ModelPolicy
@@ -230,6 +230,8 @@ class NoiseInjector(TorchFunctionMode):
         ``grad_summation`` and reduces the parts in fp32
         (:mod:`~ttrace_num.bounds.summation_variance`): a bound of a bf16 chain over ``K``
         terms would be ~``lambda sqrt(K) 2^-8`` of the sum of magnitudes, 10-25x the spread.
+        Where such a chain can absorb its addends (long, of one sign: ``may_stagnate``), the
+        variance does not hold and those elements take the deterministic difference bound.
 
         ``operands``: what the terms are computed from, for :attr:`memo` (default the terms)."""
         scale = 1.0 if self.local.against_exact else 2.0
@@ -247,7 +249,14 @@ class NoiseInjector(TorchFunctionMode):
             t64 = t.double()
             q, c = (t64 * t64).sum(0).reshape(g.shape), t64.sum(0).reshape(g.shape)
             # the terms may be rounded products (g * x_hat)
-            return self._variance_amplitude(q, c, t.shape[0], g.shape, exact_products=False, models=models)
+            amp = self._variance_amplitude(q, c, t.shape[0], g.shape, exact_products=False, models=models)
+            if chain_in_dtype:  # where the chain can absorb its addends the variance does not hold
+                stuck = may_stagnate(t64, get_format(dtype)).reshape(g.shape)
+                if bool(stuck.any()):
+                    worst = tn.difference("sum", t, dim=0, model_a={"summation": models[0]},
+                                          model_b={"summation": models[1]}, mode="deterministic")
+                    amp = torch.where(stuck, worst.abs.reshape(g.shape), amp)
+            return amp
 
         def fn(g: torch.Tensor) -> torch.Tensor:
             deps = operands() if operands is not None else (terms(),)
