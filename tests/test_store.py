@@ -232,6 +232,20 @@ def test_background_writer_lands_the_step_in_flight_when_the_run_fails(tmp_path)
     assert TraceReader(tmp_path).steps() == [0]
 
 
+def test_background_write_error_during_a_failed_run_is_warned_not_raised(tmp_path, monkeypatch):
+    def enospc(*a, **k):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(store, "save_file", enospc)
+    with pytest.warns(RuntimeWarning, match="rank 0 could not write a step.*No space left"):
+        with pytest.raises(RuntimeError, match="training failed"):  # the run's error, not the writer's
+            with TraceWriter(tmp_path, 0, 1, LAYOUT, SIG, background=True) as w:
+                w.add("x", torch.randn(8), phase="fwd", step=0)
+                w.flush_step(0)
+                raise RuntimeError("training failed")
+    assert w.pending_steps() == [0]  # still buffered
+
+
 def test_missing_rank(tmp_path):
     r = _write_run(tmp_path, world_size=3, skip={(1, 2)})
     assert r.missing_ranks(1) == [2] and r.missing_ranks(0) == []

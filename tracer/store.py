@@ -26,10 +26,11 @@ import operator
 import os
 import re
 import tempfile
-from dataclasses import dataclass
-from pathlib import Path
+import warnings
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -327,10 +328,10 @@ class TraceWriter:
 
     ``background=True`` writes each flushed step, after the statistics of its large copies,
     on a thread of its own while the run goes on (writing and torch's reductions release the
-    GIL): a full trace of a large model then costs little more than its copies. At most one step is in flight (``flush_step`` first waits
-    for the previous one), so the buffered copies are at most two steps' worth; ``wait()``
-    blocks until the step in flight is on disk, ``close()`` (or leaving the ``with`` block)
-    until everything is.
+    GIL): a full trace of a large model then costs little more than its copies. At most one
+    step is in flight (``flush_step`` first waits for the previous one), so the buffered
+    copies are at most two steps' worth; ``wait()`` blocks until the step in flight is on
+    disk, ``close()`` (or leaving the ``with`` block) until everything is.
     """
 
     def __init__(self, root: str | Path, rank: int, world_size: int, layout: dict[str, Any],
@@ -518,11 +519,12 @@ class TraceWriter:
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is None:
             self.close()
-        elif self._in_flight is not None:  # let the step being written land; the error in flight wins
+        elif self._in_flight is not None:  # let the step being written land; the run's error propagates
             try:
                 self.wait()
-            except Exception:
-                pass
+            except Exception as write_error:
+                warnings.warn(f"the trace writer of rank {self.rank} could not write a step while the run "
+                              f"failed: {write_error}", RuntimeWarning, stacklevel=2)
 
 
 class TraceReader:
