@@ -78,13 +78,3 @@ def test_a_tensor_no_sample_moved_gets_two_ulp():
     assert ok.status == "ok" and ok.threshold == pytest.approx(2 * ulp) and ok.ratio == pytest.approx(0.5625)
     bad = _check_one(0, ("loss", "loss", 1, 0), ENTRY, ref, ref.double() + 2.5 * ulp, [], noisy, 1e-2, {})
     assert bad.status == "over"
-
-
-def test_reference_norm_comes_from_the_manifest_else_from_the_finite_elements():
-    from tracer.check import _finite_norm
-    t = torch.tensor([3.0, float("nan"), 4.0])
-    finite = torch.isfinite(t)
-    assert _finite_norm({"stats": {"norm": 5.0}}, t, finite) == 5.0  # as traced, no pass over t
-    assert _finite_norm({"stats": {"norm": None}}, t, finite) == 5.0
-    assert _finite_norm({}, t[finite], None) == 5.0
-    assert _finite_norm({}, torch.tensor([]), None) == 0.0

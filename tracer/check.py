@@ -171,15 +171,6 @@ def _max_abs(x: torch.Tensor) -> float:
     return max(-float(lo), float(hi))
 
 
-def _finite_norm(entry: dict[str, Any], t: torch.Tensor, finite: torch.Tensor | None) -> float:
-    """The L2 norm of the finite elements of a traced tensor: its manifest's (``stats.norm``,
-    float64, taken when it was traced: one pass fewer), else computed (``finite``: their mask)."""
-    stored = entry.get("stats", {}).get("norm")
-    if isinstance(stored, float):
-        return stored
-    return float(torch.linalg.vector_norm(t if finite is None else t[finite])) if t.numel() else 0.0
-
-
 def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, cand_t: torch.Tensor,
                notes: list[str], noisy: "list[torch.Tensor] | SampleMoments", false_alarm: float,
                cand_entries: dict[int, dict[str, Any]], work: torch.dtype | None = None) -> TensorCheck:
@@ -213,7 +204,7 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
         rf, cf = torch.isfinite(r), torch.isfinite(c)
         if bool(rf.all()) and bool(cf.all()):
             rf = None
-    ref_norm = _finite_norm(ref_e, r, rf)
+    ref_norm = float(torch.linalg.vector_norm(r if rf is None else r[rf])) if r.numel() else 0.0
     if rf is not None and not bool(torch.equal(rf, cf) and torch.equal(r[~rf].nan_to_num(1.0, 2.0, -2.0),
                                                                        c[~cf].nan_to_num(1.0, 2.0, -2.0))):
         bad = (~cf & rf).nonzero()
