@@ -1,7 +1,7 @@
 """Cost of tracing and comparing, on real megatron-core (CPU/gloo).
 
     python -m bench.tracer_cost [--quick] [--models demo,large] [--write docs/cost.md] [--out DIR] [--keep]
-    python -m bench.tracer_cost --models xl --steps 3 --profile-model xl --write docs/cost-xl.md
+    python -m bench.tracer_cost --models xl --steps 3 --compare-reps 3 --profile-model xl --write docs/cost-xl.md
 
 Measured by default on two models: the demo model (``examples.megatron_cpu.gpt.DEFAULT_MODEL``)
 and a larger one (hidden 256, 4 layers, ffn 1024, seq 128, vocab 1024); ``--models xl`` takes
