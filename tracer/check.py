@@ -33,10 +33,10 @@ import torch
 
 from tracer.canonical import Placement, assemble, shard
 from tracer.decisions import TOPK_CONSUMER_META, TOPK_META, ChoiceChange, choice_changes, without_choices
-from tracer.errors import IncomparableRunsError, TraceError
-from tracer.store import TraceReader
 from tracer.deviation import (DEVIATION_FIELD, DeviationOf, Key, SampleMoments, combined_moments, entry_key,
                               storage_rounding_allowance, work_dtype)
+from tracer.errors import IncomparableRunsError, TraceError
+from tracer.store import TraceReader
 from tracer.thresholds import (DEFAULT_FALSE_ALARM, deviation_threshold, moments_threshold, noise_threshold,
                                unmodelled_threshold)
 

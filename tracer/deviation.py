@@ -74,6 +74,12 @@ def work_dtype(*dtypes: torch.dtype) -> torch.dtype:
     return torch.float32 if all(d in _FLOAT32_WORK for d in dtypes) else torch.float64
 
 
+def _stored_rounded(phase: str, dtype: torch.dtype) -> bool:
+    """A parameter after the update stored narrower than fp32: the rounding of an fp32 main
+    parameter (where :func:`storage_rounding_excess` and its allowance apply)."""
+    return phase == "param" and dtype in (torch.bfloat16, torch.float16)
+
+
 def storage_rounding_excess(phase: str, dtype: torch.dtype, ref: torch.Tensor
                             ) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """``x -> |x - ref|`` elementwise, less one unit in the last place of the stored format,
@@ -87,7 +93,7 @@ def storage_rounding_excess(phase: str, dtype: torch.dtype, ref: torch.Tensor
     less than an ulp), so only the part of a difference beyond it is counted, in the
     candidate's error and in the noise samples' deviations alike.
     """
-    if phase != "param" or dtype not in (torch.bfloat16, torch.float16):
+    if not _stored_rounded(phase, dtype):
         return None
     from ttrace_num.formats import get_format, half_ulp
     fmt = get_format(dtype)
@@ -106,7 +112,7 @@ def storage_rounding_allowance(phase: str, dtype: torch.dtype, norm_x: float, no
     bound below its normal range), ``||max(|x|, |ref|)|| <= sqrt(||x||^2 + ||ref||^2)``, hence
     ``2 ||h|| <= 2 (u sqrt(||x||^2 + ||ref||^2) + s sqrt(n))``. Attained within ~1.4x by one-ulp
     flips of values just above a power of two (``tests/test_deviation.py``)."""
-    if phase != "param" or dtype not in (torch.bfloat16, torch.float16):
+    if not _stored_rounded(phase, dtype):
         return 0.0
     from ttrace_num.formats import get_format
     fmt = get_format(dtype)

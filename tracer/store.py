@@ -162,8 +162,7 @@ def tensor_stats(t: torch.Tensor, quantiles: tuple[float, ...] = QUANTILES,
     norms, sums, absmax = [], [], 0.0
     for c, (n, total, lo, hi) in zip(chunks, _chunk_reductions(chunks)):
         if not all(map(math.isfinite, (n, total, lo, hi))):
-            if c.dtype not in _NATIVE_STATS_DTYPES:
-                c = c.to(torch.float64)
+            c = _reducible(c)
             finite = torch.isfinite(c)
             n_nan = int(torch.isnan(c).sum())
             nan_count += n_nan
@@ -194,6 +193,11 @@ def tensor_stats(t: torch.Tensor, quantiles: tuple[float, ...] = QUANTILES,
     return stats
 
 
+def _reducible(c: torch.Tensor) -> torch.Tensor:
+    """``c``, or its float64 copy for dtypes torch has no reduction kernels for (FP8, integers, bool)."""
+    return c if c.dtype in _NATIVE_STATS_DTYPES else c.to(torch.float64)
+
+
 def _chunk_reductions(chunks: Sequence[torch.Tensor]) -> list[list[float]]:
     """``[norm, sum, min, max]`` of each chunk, in float64, read back with one ``tolist``.
 
@@ -202,9 +206,7 @@ def _chunk_reductions(chunks: Sequence[torch.Tensor]) -> list[list[float]]:
     sum or the norm; the float64 norm of values up to the fp32 range cannot overflow).
     """
     rows = []
-    for c in chunks:
-        if c.dtype not in _NATIVE_STATS_DTYPES:  # FP8, integers, bool: no reduction kernels for all
-            c = c.to(torch.float64)
+    for c in map(_reducible, chunks):
         lo, hi = torch.aminmax(c)
         wide = c.double()
         rows.append(torch.stack([torch.dot(wide, wide).sqrt(), wide.sum(), lo.double(), hi.double()]))

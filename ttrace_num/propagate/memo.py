@@ -34,9 +34,9 @@ hands them to the next samples:
   trajectory and Adam's first updates are ``lr sign(g)``, whose sign noise flips for every
   gradient element below its legitimate difference. On the larger model of docs/cost.md (3
   bf16 steps, 4 samples), 102 of the 1332 later samples' calls are recomputed at ``0.25``;
-  an earlier ``0.1`` tolerance on the rows' ``sum |x|`` recomputed 356. Amplitudes that are step functions of the values (a
-  half-ulp of the result) change by 2x on the elements that cross a binade, a fraction
-  ``~delta / ln 2`` of them;
+  an earlier ``0.1`` tolerance on the rows' ``sum |x|`` recomputed 356. Amplitudes that are
+  step functions of the values (a half-ulp of the result) change by 2x on the elements that
+  cross a binade, a fraction ``~delta / ln 2`` of them;
 * what the projections are for: a discrete decision that changes which data an op sees
   without changing its shape (top-k routing sending other tokens to an expert) replaces
   whole rows. A row's norm may barely change (rows after a norm layer have similar norms),
