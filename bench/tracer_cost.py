@@ -105,7 +105,8 @@ def _worker(rank: int, world: int, jobs: list[dict]) -> list[dict]:
         r = build_and_train(j["layout"], steps=j["steps"], seed=SEED, dtype=j["dtype"],
                             global_batch=j["global_batch"], trace=j["trace"], **j["sizes"])
         rec = {"step_s": list(r["step_s"]), "build_s": r["build_s"], "total_s": time.perf_counter() - t,
-               "amplitudes": [(r.get("trace") or {}).get(k, 0) for k in ("amplitudes_reused", "amplitudes_computed")]}
+               "amplitudes": [(r.get("trace") or {}).get(k, 0) for k in ("amplitudes_reused", "amplitudes_patched",
+                                                                         "amplitudes_computed")]}
         if prof is not None:
             prof.disable()
             rec["profile"] = _profile_text(prof, j["profile"])
@@ -358,11 +359,11 @@ def main(argv: list[str] | None = None) -> int:
     for model in models:
         clean, noisy, untr = med[(model, 1, "full")], med[(model, 1, "noise")], med[(model, 1, "untraced")]
         per_sample = (noisy - clean) / S
-        reused, computed = next(rec["amplitudes"] for j, rec in zip(results[1][0], results[1][1][0])
+        reused, patched, computed = next(rec["amplitudes"] for j, rec in zip(results[1][0], results[1][1][0])
                                 if j["model"] == model and j["mode"] == "noise")
         noise_rows.append([model, str(S), f"{clean * 1e3:.0f}", f"{noisy * 1e3:.0f}", f"{per_sample * 1e3:.0f}",
                            f"**{per_sample / clean:.2f}**", f"{per_sample / untr:.2f}",
-                           f"**{(noisy - clean) / clean:.2f}**", f"{reused} / {computed}"])
+                           f"**{(noisy - clean) / clean:.2f}**", f"{reused} / {patched} / {computed}"])
 
     load1 = os.getloadavg()
     wall = time.perf_counter() - t0
@@ -422,11 +423,13 @@ def main(argv: list[str] | None = None) -> int:
            f"Reference (world 1, full trace) with S={S} noise samples vs without, per step. A noise "
            "sample re-runs the step under the noise injector (every modelled op perturbed by its "
            "local bound) from a snapshot of model and optimizer state; the samples of a step share "
-           "the amplitudes of the calls whose operands match (`ttrace_num/propagate/memo.py`).\n"),
+           "the amplitudes of the calls whose operands match, and a GEMM whose operands moved in a few "
+           "rows recomputes only those rows (`ttrace_num/propagate/memo.py`).\n"),
            _table(["model", "S", "clean traced step ms", "step with S samples ms", "per noise sample ms",
                    "per sample / clean traced step", "per sample / untraced step",
                    "all S samples / clean traced step (extra reference steps)",
-                   "amplitudes reused / computed (ttrace_num.propagate.memo)"], noise_rows)]
+                   "amplitudes reused / patched (some rows recomputed) / computed (ttrace_num.propagate.memo)"],
+                  noise_rows)]
     md += profile_md("full", "full tracing plus 1 noise sample per step")
     text = "\n".join(md) + "\n"
     print("\n" + text)

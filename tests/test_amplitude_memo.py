@@ -108,12 +108,84 @@ def test_a_wrong_reused_amplitude_would_be_caught_by_the_size_check():
     memo = AmplitudeMemo()
     real_get = memo.get
 
-    def zeroed(what, operands, compute, output=None):
-        hits = memo.hits
-        out = real_get(what, operands, compute, output)
-        return torch.zeros_like(out) if memo.hits > hits else out
+    def zeroed(what, operands, compute, output=None, rows=None):
+        reused = memo.hits + memo.patched
+        out = real_get(what, operands, compute, output, rows)
+        return torch.zeros_like(out) if memo.hits + memo.patched > reused else out
     memo.get = zeroed
     with_memo, _ = _block_deviation(memo)
     without, _ = _block_deviation(None)
     assert with_memo[0] >= 0.7 * min(without)  # the first sample computes its own
     assert max(with_memo[1:]) < 0.7 * min(without)
+
+
+def _row_amplitude(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A stand-in amplitude computed row by row from ``x`` and the whole of ``w``."""
+    return x.abs().double() @ w.abs().double().T
+
+
+def _memo_with_rows(x: torch.Tensor, w: torch.Tensor) -> AmplitudeMemo:
+    memo = AmplitudeMemo()
+    memo.get("linear@fc", (x, w), lambda: _row_amplitude(x, w), rows=lambda i: _row_amplitude(x[i], w))
+    memo.rewind()
+    return memo
+
+
+def test_only_the_far_rows_of_a_gemm_are_recomputed():
+    x, w = _rows(), _rows(32, 256, seed=1)
+    memo = _memo_with_rows(x, w)
+    moved = x * (1 + 0.02 * torch.randn(x.shape, generator=torch.Generator().manual_seed(2)))
+    moved[17] = _rows(1, 256, seed=3)[0]  # one row replaced
+    asked = []
+    out = memo.get("linear@fc", (moved, w), lambda: asked.append("all") or _row_amplitude(moved, w),
+                   rows=lambda i: asked.append(i.tolist()) or _row_amplitude(moved[i], w))
+    assert asked == [[17]] and (memo.patched, memo.rows_recomputed, memo.misses) == (1, 1, 1)
+    first = _row_amplitude(x, w)
+    assert torch.equal(out[17], _row_amplitude(moved[[17]], w)[0])
+    assert torch.equal(torch.cat([out[:17], out[18:]]), torch.cat([first[:17], first[18:]]))
+    # the patched row is now matched against the operand it was computed from
+    memo.rewind()
+    asked.clear()
+    memo.get("linear@fc", (moved, w), lambda: asked.append("all"), rows=lambda i: asked.append(i.tolist()))
+    assert asked == [] and memo.hits == 1
+    memo.rewind()
+    memo.get("linear@fc", (x, w), lambda: asked.append("all"),
+             rows=lambda i: asked.append(i.tolist()) or _row_amplitude(x[i], w))
+    assert asked == [[17]]
+
+
+def test_a_moved_right_operand_or_many_far_rows_recompute_the_whole_gemm():
+    x, w = _rows(), _rows(32, 256, seed=1)
+    other_w = w.clone()
+    other_w[5] = _rows(1, 256, seed=4)[0]
+    many = x.clone()
+    many[:20] = _rows(20, 256, seed=6)  # 20 of 64 rows: above MAX_PATCHED_FRACTION
+    for operands in ((x, other_w), (many, w)):
+        memo, asked = _memo_with_rows(x, w), []
+        memo.get("linear@fc", operands, lambda: asked.append("all") or torch.zeros(64, 32),
+                 rows=lambda i: asked.append(i.tolist()) or torch.zeros(len(i), 32))
+        assert asked == ["all"] and memo.patched == 0
+
+
+def test_gemm_bounds_are_row_separable():
+    """What patching relies on: the local bound of some rows of a GEMM, computed from those
+    rows alone, is the full call's bound on those rows (up to the working-precision GEMMs'
+    own rounding, which the bound covers either way)."""
+    from ttrace_num.bounds.summation import Summation
+    from ttrace_num.propagate.calls import classify
+    from ttrace_num.propagate.local import LocalBounds
+    from ttrace_num.propagate.noise import _gemm_rows
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(4, 24, 256, generator=g).bfloat16()
+    w, bias = torch.randn(48, 256, generator=g).bfloat16(), torch.randn(48, generator=g).bfloat16()
+    split = {"summation": Summation(split=2, reduce_fmt="bf16")}
+    local = LocalBounds("probabilistic", policy=lambda path, op: ({"summation": Summation()}, split, False))
+    index = torch.tensor([0, 5, 50, 95])
+    for func, args in ((F.linear, (x, w, bias)), (torch.matmul, (x, w.T.contiguous()))):
+        call = classify(func, args, {})
+        out = func(*args)
+        full = local.of(call, out, "fc").reshape(-1, out.shape[-1])
+        part = _gemm_rows(call, out, lambda c: local.of(c, None, "fc"))(index)
+        assert part.shape == (4, 48) and full[index].min() > 0
+        torch.testing.assert_close(part, full[index], rtol=1e-5, atol=0)
+    assert _gemm_rows(classify(torch.matmul, (x, x.transpose(-1, -2)), {}), x @ x.transpose(-1, -2), None) is None

@@ -17,8 +17,9 @@ stores, per tensor, the three moments of its deviation from the clean step that 
 needs instead of the tensor (:mod:`tracer.deviation`: 24 bytes per tensor, one float64 copy of
 a step's traced tensors in memory while its samples run). The samples of a step share
 their noise amplitudes (:mod:`ttrace_num.propagate.memo`): the first sample computes each op's
-local bound, the others reuse it where their operands match, which makes a sample after the
-first several times cheaper.
+local bound, the others reuse it where their operands match (and recompute only the rows of a
+GEMM's bound whose operand rows moved), which makes a sample after the first several times
+cheaper.
 """
 from __future__ import annotations
 
@@ -112,7 +113,7 @@ class NoiseSampler:
         self.custom_functions = tuple(custom_functions)
         self.clean_writer = clean_writer
         self.reuse_amplitudes = reuse_amplitudes
-        self.amplitude_hits = self.amplitude_misses = 0  # over all steps, for reports
+        self.amplitude_hits = self.amplitude_patched = self.amplitude_misses = 0  # over all steps, for reports
         self.moments = MomentAccumulator() if store == "moments" else None
         self.writers = [TraceWriter(Path(root) / "noise" / f"sample_{i}", 0, 1, layout, signature, run_id=f"noise{i}")
                         if self.moments is None else
@@ -154,6 +155,7 @@ class NoiseSampler:
             self.moments.reset()
         if memo is not None:
             self.amplitude_hits += memo.hits
+            self.amplitude_patched += memo.patched
             self.amplitude_misses += memo.misses
         after.restore()
         return out

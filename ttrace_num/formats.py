@@ -47,6 +47,7 @@ __all__ = [
     "custom",
     "known_formats",
     "half_ulp",
+    "NARROW_DTYPES",
 ]
 
 
@@ -311,6 +312,11 @@ def known_formats() -> list[str]:
 #: bit layout of the working types of :func:`half_ulp`: (integer view, mantissa bits,
 #: exponent bias, log2 of the smallest subnormal, largest finite exponent)
 _BITS = {torch.float64: (torch.int64, 52, 1023, -1074, 1023), torch.float32: (torch.int32, 23, 127, -149, 127)}
+#: torch dtypes whose values and whose formats' half-ulps are all float32 numbers: their
+#: :func:`half_ulp` can be computed with ``dtype=torch.float32`` (half the memory traffic of float64)
+NARROW_DTYPES = (torch.bfloat16, torch.float16)
+#: exponent-field width of those types
+_EXP_BITS = {torch.float64: 11, torch.float32: 8}
 
 
 def half_ulp(t: torch.Tensor, fmt: FloatFormat, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -338,17 +344,20 @@ def half_ulp(t: torch.Tensor, fmt: FloatFormat, dtype: torch.dtype = torch.float
     t = t.abs().to(dtype)
     as_int, mant_bits, bias, min_exp, max_exp = _BITS[dtype]
     if fmt.emin >= 1 - bias and fmt.emin - fmt.precision >= min_exp:
-        # every result is 2**max(e, emin) (a normal number, from the exponent field of t) times
-        # 2**-p, exact: the product is a power of two no smaller than the smallest subnormal
-        e = ((t.view(as_int) >> mant_bits) - bias).clamp_(min=fmt.emin)
-        out = ((e + bias) << mant_bits).view(dtype) * 2.0 ** -fmt.precision
+        # every result is 2**max(e, emin) times 2**-p, exact: 2**e is t with its mantissa bits
+        # cleared (0 for a zero or subnormal t, inf for inf and NaN), the product is a power of
+        # two, and the clamp lifts whatever lies below 2**(emin - p) (which is no smaller than
+        # the smallest subnormal) to it; three passes, in place after the first
+        exponent_field = ((1 << (mant_bits + _EXP_BITS[dtype])) - 1) ^ ((1 << mant_bits) - 1)
+        out = (t.view(as_int) & exponent_field).view(dtype)
+        out.mul_(2.0 ** -fmt.precision).clamp_(min=2.0 ** (fmt.emin - fmt.precision))
         # 0 at t = 0 (exact in every format) and NaN at NaN, without a mask: t * 2**(-min_exp + emin - p)
         # is >= the result for every t > 0 (>= its smallest value at the smallest subnormal t, >= u t above)
         scale = -min_exp + fmt.emin - fmt.precision
         zero_at_zero = t * 2.0 ** min(scale, max_exp)
         if scale > max_exp:  # formats with a tiny range (FP4, FP6, FP8): a second, exact scaling
             zero_at_zero = zero_at_zero * 2.0 ** (scale - max_exp)
-        out = torch.minimum(out, zero_at_zero)
+        torch.minimum(out, zero_at_zero, out=out)
     else:  # float64 itself: its half-ulp underflows to float64 subnormals
         _, exp = torch.frexp(t)  # t = mant * 2**exp, mant in [0.5, 1)
         out = torch.ldexp(torch.full_like(t, fmt.u), (exp - 1).clamp(min=fmt.emin).to(torch.float64))

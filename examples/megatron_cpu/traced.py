@@ -73,6 +73,7 @@ class TracedRun:
         return {"root": str(self.root), "bytes": sum(f.stat().st_size for f in files),
                 "noise_samples": len(self.sampler.writers) if self.sampler else 0,
                 "amplitudes_reused": self.sampler.amplitude_hits if self.sampler else 0,
+                "amplitudes_patched": self.sampler.amplitude_patched if self.sampler else 0,
                 "amplitudes_computed": self.sampler.amplitude_misses if self.sampler else 0}
 
     def close(self) -> None:

@@ -346,17 +346,58 @@ class _Stage:
     theta: float
     magnitude: torch.Tensor | None
 
-    def linear(self, depths: Depths) -> torch.Tensor | float:
-        """``(1 + theta) (sum_f d_f u_f) M``: deterministic bound of levels ``depths`` of this stage."""
+    def linear(self, depths: Depths) -> list[tuple[float, torch.Tensor]]:
+        """``(1 + theta) (sum_f d_f u_f) M``, the deterministic bound of levels ``depths`` of this
+        stage, as terms ``(coefficient, M)`` of :func:`_linear` (none without levels)."""
         if not depths or self.magnitude is None:
-            return 0.0
-        return (1.0 + self.theta) * linear_coefficient(depths) * self.magnitude
+            return []
+        return [((1.0 + self.theta) * linear_coefficient(depths), self.magnitude)]
 
-    def variance(self, depths: Depths) -> torch.Tensor | float:
-        """``((1 + theta) M)**2 sum_f d_f u_f**2``: Azuma-Hoeffding variance proxy of ``depths``."""
+    def deviation(self, depths: Depths) -> list[tuple[float, torch.Tensor]]:
+        """``(1 + theta) sqrt(sum_f d_f u_f**2) M``, the square root of the Azuma-Hoeffding
+        variance proxy of levels ``depths``, as terms ``(coefficient, M)`` of :func:`_quadrature`."""
         if not depths or self.magnitude is None:
-            return 0.0
-        return ((1.0 + self.theta) * sigma_coefficient(depths) * self.magnitude) ** 2
+            return []
+        return [((1.0 + self.theta) * sigma_coefficient(depths), self.magnitude)]
+
+
+def _grouped(terms: list[tuple[float, torch.Tensor]], combine: Callable[[float, float], float]
+             ) -> list[tuple[float, torch.Tensor]]:
+    """``terms`` with the coefficients of one tensor combined (the stages of both sides of a
+    difference, and the inner stage of every bound, share the tensor ``S``)."""
+    out: dict[int, tuple[float, torch.Tensor]] = {}
+    for c, t in terms:
+        k = id(t)
+        out[k] = (combine(out[k][0], c), t) if k in out else (c, t)
+    return list(out.values())
+
+
+def _linear(terms: list[tuple[float, torch.Tensor]], like: torch.Tensor) -> torch.Tensor:
+    """``sum_k c_k M_k`` (one pass per distinct tensor; zeros shaped like ``like`` when empty)."""
+    grouped = _grouped(terms, lambda a, b: a + b)
+    if not grouped:
+        return torch.zeros_like(like)
+    c, t = grouped[0]
+    acc = t * c
+    for c, t in grouped[1:]:
+        acc = torch.add(acc, t, alpha=c)
+    return acc
+
+
+def _quadrature(terms: list[tuple[float, torch.Tensor]], like: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """``scale sqrt(sum_k (c_k M_k)**2)``, the coefficients of one tensor combined in quadrature
+    first (zeros shaped like ``like`` when empty)."""
+    grouped = _grouped(terms, math.hypot)
+    if not grouped:
+        return torch.zeros_like(like)
+    if len(grouped) == 1:
+        c, t = grouped[0]
+        return t * (scale * c)
+    c, t = grouped[0]
+    sq = (t * t).mul_((scale * c) ** 2)
+    for c, t in grouped[1:]:
+        sq = torch.addcmul(sq, t, t, value=(scale * c) ** 2)
+    return sq.sqrt_()
 
 
 def path_growth(depths: Depths, lam_path: float) -> float:
@@ -392,14 +433,15 @@ def _stages(s: Summation, n: int, exact_products: bool, abs_sum: torch.Tensor, m
         t = torch.minimum(partial_abs_sum, abs_sum)
     else:
         t = abs_sum
-    return inner, _Stage(dout, growth(dout), t + g_in * abs_sum)
+    return inner, _Stage(dout, growth(dout), torch.add(t, abs_sum, alpha=g_in) if g_in else t)
 
 
 def _deterministic(inner: _Stage, outer: _Stage) -> torch.Tensor:
     """``theta_in S + theta_out T_hat`` (module docstring, "Two stages")."""
-    if outer.magnitude is None:
-        return inner.theta * inner.magnitude
-    return inner.theta * inner.magnitude + outer.theta * outer.magnitude
+    terms = [(inner.theta, inner.magnitude)]
+    if outer.magnitude is not None:
+        terms.append((outer.theta, outer.magnitude))
+    return _linear(terms, inner.magnitude)
 
 
 def _shared_chain(split: Summation, whole: Summation, n: int) -> int:
@@ -498,9 +540,12 @@ def sum_error_bound(abs_sum: torch.Tensor, magnitude: torch.Tensor, n: int, summ
     else:
         acc = _deterministic(inner, outer)
         if mode == "probabilistic":
-            acc = torch.minimum(acc, lam * torch.sqrt(inner.variance(inner.depths) + outer.variance(outer.depths)))
-            acc = torch.minimum(acc, lam2 * torch.sqrt(p_in.variance(p_in.depths) + p_out.variance(p_out.depths)))
-        acc = acc + eta
+            like = inner.magnitude
+            torch.minimum(acc, _quadrature(inner.deviation(inner.depths) + outer.deviation(outer.depths), like, lam),
+                          out=acc)
+            torch.minimum(acc, _quadrature(p_in.deviation(p_in.depths) + p_out.deviation(p_out.depths), like, lam2),
+                          out=acc)
+        acc += eta
     bound = acc if conversion_exact(summation.final_fmt, out_fmt) else acc + half_ulp(magnitude + acc, out_fmt)
     values = {"n": n, "summation": summation.describe(),
               "depths": {str(f): d for f, d in _merge(inner.depths, outer.depths).items()},
@@ -549,17 +594,17 @@ def sum_difference_bound(abs_sum: torch.Tensor, magnitude: torch.Tensor, n: int,
                 + output_rounding(magnitude + acc_b + eta, b.final_fmt, out_b))
 
     det_a, det_b = _deterministic(*sa), _deterministic(*sb)
-    unshared = sum((st.linear(d) for st, d in pairs), torch.zeros_like(abs_sum))  # 0 when no level differs
-    bound = torch.minimum(det_a + det_b, unshared) + eta + outputs(det_a, det_b)
+    unshared = _linear([term for st, d in pairs for term in st.linear(d)], abs_sum)  # 0 when no level differs
+    bound = torch.minimum(det_a + det_b, unshared).add_(eta) + outputs(det_a, det_b)
     if mode == "probabilistic":
         lam2, lam3 = math.sqrt(lam**2 + 2 * math.log(2)), math.sqrt(lam**2 + 2 * math.log(3))
         tri = sum(sum_error_bound(abs_sum, magnitude, n, s, o, mode, lam2, exact_products, partial_abs_sum=t)[0]
                   for s, o, t in ((a, out_a, partial_abs_sum_a), (b, out_b, partial_abs_sum_b)))
-        f64 = torch.float64  # a stage without levels contributes the float 0.0
-        side = [torch.minimum(_deterministic(*st), lam3 * torch.sqrt(torch.as_tensor(
-                    st[0].variance(st[0].depths) + st[1].variance(st[1].depths), dtype=f64))) for st in (sa, sb)]
-        joint = (lam3 * torch.sqrt(torch.as_tensor(sum(st.variance(d) for st, d in pairs), dtype=f64)) + eta
-                 + outputs(*side))
+        side = [torch.minimum(_deterministic(*st), _quadrature(st[0].deviation(st[0].depths)
+                                                               + st[1].deviation(st[1].depths), abs_sum, lam3))
+                for st in (sa, sb)]
+        joint = _quadrature([term for st, d in pairs for term in st.deviation(d)], abs_sum, lam3).add_(eta) \
+            + outputs(*side)
         bound = torch.minimum(bound, torch.minimum(tri, joint))
     values = {"n": n, "model_a": a.describe(), "model_b": b.describe(),
               "unshared_depths": {str(f): k for f, k in difference_depths(a, b, n, exact_products).items()},

@@ -12,7 +12,7 @@ import torch
 
 import ttrace_num as tn
 from ..bounds.summation import conversion_exact
-from ..formats import get_format, half_ulp
+from ..formats import NARROW_DTYPES, get_format, half_ulp
 from .calls import OpCall
 
 if TYPE_CHECKING:
@@ -88,4 +88,6 @@ class LocalBounds:
         fmt = get_format(out.dtype)
         if len(inputs) == 1 and out.dtype != inputs[0].dtype and conversion_exact(get_format(inputs[0].dtype), fmt):
             return _ZERO
+        if out.dtype in NARROW_DTYPES:  # |out| (1 + 2u) is exact in float32, and so are its half-ulps
+            return half_ulp(out.detach().float().abs_().mul_(1 + 2 * fmt.u), fmt, torch.float32)
         return half_ulp(out.detach().double().abs() * (1 + 2 * fmt.u), fmt)

@@ -37,6 +37,16 @@ hands them to the next samples:
   an earlier ``0.1`` tolerance on the rows' ``sum |x|`` recomputed 356. Amplitudes that are
   step functions of the values (a half-ulp of the result) change by 2x on the elements that
   cross a binade, a fraction ``~delta / ln 2`` of them;
+* a GEMM whose amplitude is computed row by row (``A @ B`` or ``F.linear`` with a 2-D ``B``:
+  each output row's bound depends on that row of ``A`` and on the whole of ``B``) gets only its
+  far rows recomputed when ``B`` matches and at most :data:`MAX_PATCHED_FRACTION` of the rows
+  of ``A`` or of the result moved out of tolerance (``rows=`` of :meth:`AmplitudeMemo.get`);
+  the stored fingerprints of those rows are replaced, the others keep the first sample's, so
+  every row's amplitude is always matched against the operands it was computed from. Why:
+  the far rows are few and the whole GEMM bound costs 3 GEMMs and ~100 passes over the
+  result. Measured on the xl model of docs/cost-xl.md (weight-gradient GEMMs, whose
+  gradient rows move most): 1-3 of 256-4096 rows out of tolerance, ~10 of a later sample's
+  ~50 GEMM amplitudes, which were ~half of its time;
 * what the projections are for: a discrete decision that changes which data an op sees
   without changing its shape (top-k routing sending other tokens to an expert) replaces
   whole rows. A row's norm may barely change (rows after a norm layer have similar norms),
@@ -65,6 +75,8 @@ __all__ = ["AmplitudeMemo", "DEFAULT_TOLERANCE", "row_fingerprint"]
 DEFAULT_TOLERANCE = 0.25
 #: random sign vectors a row is projected on
 PROJECTIONS = 4
+#: largest fraction of a row-wise amplitude's rows recomputed alone (more: the whole call)
+MAX_PATCHED_FRACTION = 0.25
 
 _SIGNS: dict[tuple, torch.Tensor] = {}
 
@@ -105,11 +117,16 @@ def _signature(what: str, operands: Sequence[Any]) -> tuple:
 
 @dataclass
 class AmplitudeMemo:
-    """Amplitudes of one step's op calls, by position in the call sequence (module doc)."""
+    """Amplitudes of one step's op calls, by position in the call sequence (module doc).
+
+    Counts over its life: ``hits`` (reused whole), ``patched`` (some rows recomputed,
+    ``rows_recomputed`` of them in all) and ``misses`` (computed whole)."""
 
     tolerance: float = DEFAULT_TOLERANCE
     hits: int = 0
     misses: int = 0
+    patched: int = 0
+    rows_recomputed: int = 0
     _entries: list[tuple[tuple, list[torch.Tensor], torch.Tensor]] = field(default_factory=list, repr=False)
     _position: int = 0
 
@@ -118,19 +135,33 @@ class AmplitudeMemo:
         self._position = 0
 
     def get(self, what: str, operands: Sequence[Any], compute: Callable[[], torch.Tensor],
-            output: torch.Tensor | None = None) -> torch.Tensor:
+            output: torch.Tensor | None = None,
+            rows: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """The amplitude of the next call (``what`` names it, e.g. ``"layer_norm@decoder.layers.0"``;
         ``operands`` and, for a forward call, its ``output``: what the amplitude depends on):
-        the stored one when the call matches the stored call at this position, else ``compute()``."""
+        the stored one when the call matches the stored call at this position, else ``compute()``.
+
+        ``rows``: for an amplitude computed row by row from the rows of ``operands[0]`` and the
+        whole of the other operands (a GEMM with a 2-D right operand), ``rows(index)`` gives
+        the amplitude of the result's rows ``index`` (flat over the leading dimensions, shape
+        ``(len(index), last)``); a call whose other operands match and only a few rows moved
+        is then patched, not recomputed (module doc)."""
         i = self._position
         self._position += 1
         sig = _signature(what, operands)
-        prints = [row_fingerprint(t) for t in _fingerprinted(operands, output)]
+        fingerprinted = _fingerprinted(operands, output)
+        prints = [row_fingerprint(t) for t in fingerprinted]
         if i < len(self._entries):
             stored_sig, stored_prints, amplitude = self._entries[i]
-            if stored_sig == sig and all(_close(a, b, self.tolerance) for a, b in zip(stored_prints, prints)):
-                self.hits += 1
-                return amplitude
+            if stored_sig == sig:
+                far = [_far_rows(a, b, self.tolerance) for a, b in zip(stored_prints, prints)]
+                if not any(bool(f.any()) for f in far):
+                    self.hits += 1
+                    return amplitude
+                if rows is not None and fingerprinted and fingerprinted[0] is operands[0]:
+                    patched = self._patched(i, amplitude, far, prints, operands[0], output, rows)
+                    if patched is not None:
+                        return patched
         amplitude = compute()
         entry = (sig, prints, amplitude)
         if i < len(self._entries):
@@ -140,7 +171,39 @@ class AmplitudeMemo:
         self.misses += 1
         return amplitude
 
+    def _patched(self, i: int, amplitude: torch.Tensor, far: list[torch.Tensor], prints: list[torch.Tensor],
+                 row_operand: torch.Tensor, output: torch.Tensor | None,
+                 rows: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+        """The stored amplitude of entry ``i`` with the far rows of the row operand (the first
+        fingerprint) and of the result (the last, when there is one) recomputed, and those
+        rows' stored fingerprints replaced; None when the call does not qualify (another
+        operand moved, rows not aligned with the amplitude's, too many far rows)."""
+        row_prints = [0] + ([len(prints) - 1] if output is not None else [])
+        if any(bool(f.any()) for k, f in enumerate(far) if k not in row_prints):
+            return None
+        lead = tuple(row_operand.shape[:-1])
+        if amplitude.dim() < 2 or tuple(amplitude.shape[:-1]) != lead or any(
+                tuple(far[k].shape) != lead for k in row_prints):
+            return None
+        moved = torch.zeros(lead, dtype=torch.bool)
+        for k in row_prints:
+            moved |= far[k]
+        index = moved.reshape(-1).nonzero().reshape(-1)
+        if index.numel() > MAX_PATCHED_FRACTION * moved.numel():
+            return None
+        patched = amplitude.clone()
+        patched.view(-1, patched.shape[-1])[index] = rows(index).reshape(index.numel(), -1).to(patched.dtype)
+        stored_prints = [p.clone() for p in self._entries[i][1]]
+        for k in row_prints:
+            flat = stored_prints[k].view(stored_prints[k].shape[0], -1)
+            flat[:, index] = prints[k].reshape(flat.shape[0], -1)[:, index]
+        self._entries[i] = (self._entries[i][0], stored_prints, patched)
+        self.patched += 1
+        self.rows_recomputed += index.numel()
+        return patched
 
-def _close(a: torch.Tensor, b: torch.Tensor, tolerance: float) -> bool:
-    """Row fingerprints (:func:`row_fingerprint`) within ``tolerance`` times the larger norm."""
-    return bool(((a - b).abs() <= tolerance * torch.maximum(a[-1], b[-1])).all())
+
+def _far_rows(a: torch.Tensor, b: torch.Tensor, tolerance: float) -> torch.Tensor:
+    """Per row, whether two row fingerprints (:func:`row_fingerprint`) differ by more than
+    ``tolerance`` times the larger norm (shape: the rows')."""
+    return ((a - b).abs() > tolerance * torch.maximum(a[-1], b[-1])).any(0)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -36,7 +36,7 @@ from torch.overrides import TorchFunctionMode
 import ttrace_num as tn
 from ..bounds.summation import Summation
 from ..bounds.summation_variance import matmul_sum_statistics, may_stagnate, sum_variance
-from ..formats import get_format, half_ulp
+from ..formats import NARROW_DTYPES, get_format, half_ulp
 from .calls import OpCall, classify
 from .local import LocalBounds, ModelPolicy
 from .memo import AmplitudeMemo
@@ -125,12 +125,14 @@ class NoiseInjector(TorchFunctionMode):
         return u * torch.broadcast_to(b, shape)
 
     def _amplitude(self, what: str, operands: tuple, compute: Callable[[], torch.Tensor],
-                   output: torch.Tensor | None = None) -> torch.Tensor:
+                   output: torch.Tensor | None = None,
+                   rows: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """``compute()``, or the amplitude :attr:`memo` holds for this call (``operands`` and a
-        forward call's ``output``: what it depends on)."""
+        forward call's ``output``: what it depends on; ``rows``: the amplitude of some rows of
+        the result, for a GEMM with a 2-D right operand, see :meth:`.memo.AmplitudeMemo.get`)."""
         if self.memo is None:
             return compute()
-        return self.memo.get(f"{what}@{self.module_of()}", operands, compute, output)
+        return self.memo.get(f"{what}@{self.module_of()}", operands, compute, output, rows)
 
     def _variance_amplitude(self, q: torch.Tensor, c: torch.Tensor, n: int, shape: torch.Size,
                             exact_products: bool = True, models: "tuple[Summation | None, ...] | None" = None
@@ -158,15 +160,20 @@ class NoiseInjector(TorchFunctionMode):
                     output: torch.Tensor | None = None) -> torch.Tensor:
         """Noise of a GEMM result ``a @ b (+ bias)``: of :meth:`_variance_amplitude` in fp32
         (forward and backward); else, in backward, ``U`` times :meth:`_gemm_bound`."""
-        def amplitude() -> torch.Tensor:
+        def amplitude(a: torch.Tensor, shape: torch.Size) -> torch.Tensor:
             if self._variance_applies(a, b):
                 q, c, n, exact = matmul_sum_statistics(a, b, bias)
                 return self._variance_amplitude(q.reshape(shape), c.reshape(shape), n, shape, exact)
             return self._gemm_bound(a, b).reshape(shape)
-        return self._noise(self._amplitude("gemm", (a, b, bias), amplitude, output), shape)
+
+        def rows(index: torch.Tensor) -> torch.Tensor:
+            return amplitude(a.reshape(-1, a.shape[-1])[index], torch.Size((index.numel(), shape[-1])))
+        by_rows = rows if b.dim() == 2 and a.dim() >= 2 and tuple(a.shape[:-1]) == tuple(shape[:-1]) else None
+        return self._noise(self._amplitude("gemm", (a, b, bias), lambda: amplitude(a, shape), output, by_rows),
+                           shape)
 
     def _grad_rounding(self, g: torch.Tensor) -> torch.Tensor:
-        b = half_ulp(g.detach().double().abs(), get_format(g.dtype))
+        b = half_ulp(g.detach(), get_format(g.dtype), torch.float32 if g.dtype in NARROW_DTYPES else torch.float64)
         return self._noise(b if self.local.against_exact else 2 * b, g.shape)
 
     def _grad_noise_fns(self, call: OpCall, slot: _Slot) -> list[Callable[[torch.Tensor], torch.Tensor] | None]:
@@ -322,8 +329,11 @@ class NoiseInjector(TorchFunctionMode):
             noise = self._gemm_noise(a, w.transpose(-1, -2) if call.op == "linear" else w, bias, out.shape, out)
         elif call.kind == "op":  # a model's bound: worth reusing (a rounding's costs less than a lookup)
             kwargs_in = tuple(v for _, v in sorted(call.kwargs.items()))
+            module = self.module_of()
             noise = self._noise(self._amplitude(call.op, call.inputs + kwargs_in,
-                                                lambda: self.local.of(call, out, self.module_of()), out), out.shape)
+                                                lambda: self.local.of(call, out, module), out,
+                                                _gemm_rows(call, out, lambda c: self.local.of(c, None, module))),
+                                out.shape)
         else:
             noise = self._noise(self.local.of(call, out, self.module_of()), out.shape)
         noisy = (out.detach().double() + noise).to(out.dtype)
@@ -336,6 +346,24 @@ class NoiseInjector(TorchFunctionMode):
                 out = _CaptureGrad.apply(out, slot)
             return out
         return noisy
+
+
+def _gemm_rows(call: OpCall, out: torch.Tensor, bound: Callable[[OpCall], torch.Tensor]
+               ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """For a ``linear``/``matmul`` call with a 2-D right operand: the function giving the
+    local bound of the result's rows ``index`` (flat over the leading dimensions) from those
+    rows of the left operand (see :meth:`.memo.AmplitudeMemo.get`); None for other calls."""
+    if call.op not in ("linear", "matmul") or len(call.inputs) < 2:
+        return None
+    a, b = call.inputs[0], call.inputs[1]
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and b.dim() == 2 and a.dim() >= 2
+            and tuple(a.shape[:-1]) == tuple(out.shape[:-1])):
+        return None
+
+    def rows(index: torch.Tensor) -> torch.Tensor:
+        sub = replace(call, inputs=(a.reshape(-1, a.shape[-1])[index],) + tuple(call.inputs[1:]))
+        return bound(sub).reshape(index.numel(), out.shape[-1])
+    return rows
 
 
 def _wrap(a, inputs: tuple, fns: list):
