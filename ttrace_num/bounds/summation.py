@@ -590,8 +590,12 @@ def sum_difference_bound(abs_sum: torch.Tensor, magnitude: torch.Tensor, n: int,
     eta = underflow_term(a.roundings(n)) + underflow_term(b.roundings(n))
 
     def outputs(acc_a: torch.Tensor, acc_b: torch.Tensor) -> torch.Tensor | float:
-        return (output_rounding(magnitude + acc_a + eta, a.final_fmt, out_a)
-                + output_rounding(magnitude + acc_b + eta, b.final_fmt, out_b))
+        """Both sides' output roundings at ``|y| + acc + eta`` (none where a conversion is exact)."""
+        total: torch.Tensor | float = 0.0
+        for side, out, acc in ((a, out_a, acc_a), (b, out_b, acc_b)):
+            if not conversion_exact(side.final_fmt, out):
+                total = total + half_ulp((magnitude + acc).add_(eta), out)
+        return total
 
     det_a, det_b = _deterministic(*sa), _deterministic(*sb)
     unshared = _linear([term for st, d in pairs for term in st.linear(d)], abs_sum)  # 0 when no level differs
