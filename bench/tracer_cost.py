@@ -106,7 +106,8 @@ def _worker(rank: int, world: int, jobs: list[dict]) -> list[dict]:
                             global_batch=j["global_batch"], trace=j["trace"], **j["sizes"])
         rec = {"step_s": list(r["step_s"]), "build_s": r["build_s"], "total_s": time.perf_counter() - t,
                "amplitudes": [(r.get("trace") or {}).get(k, 0) for k in ("amplitudes_reused", "amplitudes_patched",
-                                                                         "amplitudes_computed")]}
+                                                                         "amplitudes_computed")],
+               "sample_seconds": (r.get("trace") or {}).get("sample_seconds", [])}
         if prof is not None:
             prof.disable()
             rec["profile"] = _profile_text(prof, j["profile"])
@@ -359,9 +360,13 @@ def main(argv: list[str] | None = None) -> int:
     for model in models:
         clean, noisy, untr = med[(model, 1, "full")], med[(model, 1, "noise")], med[(model, 1, "untraced")]
         per_sample = (noisy - clean) / S
-        reused, patched, computed = next(rec["amplitudes"] for j, rec in zip(results[1][0], results[1][1][0])
-                                if j["model"] == model and j["mode"] == "noise")
+        rec = next(rec for j, rec in zip(results[1][0], results[1][1][0]) if j["model"] == model and j["mode"] == "noise")
+        reused, patched, computed = rec["amplitudes"]
+        measured = rec["sample_seconds"][1:]  # the warm-up step dropped, as for the step times
+        first = _median([s[0] for s in measured])
+        later = _median([t for s in measured for t in s[1:]])
         noise_rows.append([model, str(S), f"{clean * 1e3:.0f}", f"{noisy * 1e3:.0f}", f"{per_sample * 1e3:.0f}",
+                           f"{first * 1e3:.0f}", f"{later * 1e3:.0f}",
                            f"**{per_sample / clean:.2f}**", f"{per_sample / untr:.2f}",
                            f"**{(noisy - clean) / clean:.2f}**", f"{reused} / {patched} / {computed}"])
 
@@ -426,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
            "the amplitudes of the calls whose operands match, and a GEMM whose operands moved in a few "
            "rows recomputes only those rows (`ttrace_num/propagate/memo.py`).\n"),
            _table(["model", "S", "clean traced step ms", "step with S samples ms", "per noise sample ms",
+                   "first sample ms (computes the amplitudes)", "each later sample ms (reuses them)",
                    "per sample / clean traced step", "per sample / untraced step",
                    "all S samples / clean traced step (extra reference steps)",
                    "amplitudes reused / patched (some rows recomputed) / computed (ttrace_num.propagate.memo)"],

@@ -186,6 +186,12 @@ def _train(root, store: str | None, perturb: float = 0.0, steps: int = 2, backgr
             sampler.step(s, lambda w, s=s: one_step(s, w))
     tr.remove()
     writer.close()
+    return sampler
+
+
+def test_a_noise_sampler_times_each_sample(tmp_path):
+    sampler = _train(tmp_path / "ref", "moments", steps=2)
+    assert len(sampler.sample_seconds) == 2 and all(len(s) == 3 and min(s) > 0 for s in sampler.sample_seconds)
 
 
 def test_a_noise_sampler_storing_moments_gives_the_thresholds_of_whole_samples(tmp_path):

@@ -23,6 +23,7 @@ cheaper.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -114,6 +115,9 @@ class NoiseSampler:
         self.clean_writer = clean_writer
         self.reuse_amplitudes = reuse_amplitudes
         self.amplitude_hits = self.amplitude_patched = self.amplitude_misses = 0  # over all steps, for reports
+        #: wall seconds of each sample (state restore, the traced step, the snapshot), per step:
+        #: the first one computes the amplitudes the later ones reuse
+        self.sample_seconds: list[list[float]] = []
         self.moments = MomentAccumulator() if store == "moments" else None
         self.writers = [TraceWriter(Path(root) / "noise" / f"sample_{i}", 0, 1, layout, signature, run_id=f"noise{i}")
                         if self.moments is None else
@@ -142,7 +146,9 @@ class NoiseSampler:
         memo = AmplitudeMemo() if self.reuse_amplitudes else None
         if self.moments is not None:
             self.moments.reset()
+        seconds = []
         for i, w in enumerate(self.writers):
+            t0 = time.perf_counter()
             self.states[i].restore()
             gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 101 + i)
             if memo is not None:
@@ -151,6 +157,8 @@ class NoiseSampler:
             with inj, perturb_custom_backward(inj, *self.custom_functions):
                 traced_step(w)
             self.states[i] = StateSnapshot(self.model, self.optimizer)
+            seconds.append(time.perf_counter() - t0)
+        self.sample_seconds.append(seconds)
         if self.moments is not None:
             self.moments.reset()
         if memo is not None:

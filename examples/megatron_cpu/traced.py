@@ -74,7 +74,8 @@ class TracedRun:
                 "noise_samples": len(self.sampler.writers) if self.sampler else 0,
                 "amplitudes_reused": self.sampler.amplitude_hits if self.sampler else 0,
                 "amplitudes_patched": self.sampler.amplitude_patched if self.sampler else 0,
-                "amplitudes_computed": self.sampler.amplitude_misses if self.sampler else 0}
+                "amplitudes_computed": self.sampler.amplitude_misses if self.sampler else 0,
+                "sample_seconds": self.sampler.sample_seconds if self.sampler else []}
 
     def close(self) -> None:
         self.mt.remove()
