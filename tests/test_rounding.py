@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from ttrace_num.formats import FloatFormat, custom, get_format
-from ttrace_num.rounding import quantum, round_to
+from ttrace_num.rounding import quantum, representable, round_to
 
 SMALL = ["e4m3", "e5m2", "e4m3fnuz", "e5m2fnuz", "e8m0", "e2m3", "e3m2", "e2m1"]
 # torch's cast overflow behaviour per dtype (platform.md: e4m3fn saturates even from inf)
@@ -558,3 +558,22 @@ def test_quantum_is_the_grid_spacing():
     pos = vals[vals > 0]
     q = quantum(torch.from_numpy(pos[:-1]), f).numpy()
     assert np.array_equal(q, np.diff(pos))
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16", "fp16", "e4m3", "e5m2"])
+def test_representable_is_round_to_equality(name):
+    """The cast round trip of ``representable`` (fp32/bf16/fp16) and its round_to fallback
+    agree with ``round_to(x, fmt) == x`` on random float64 values, values on the format's grid
+    and their float64 neighbours, the format's extremes and Inf/NaN."""
+    fmt = get_format(name)
+    g = torch.Generator().manual_seed(3)
+    randoms = torch.randn(20000, dtype=torch.float64, generator=g) * torch.exp2(torch.randint(-150, 130, (20000,), generator=g).double())
+    on_grid = round_to(randoms.clamp(-fmt.max, fmt.max), fmt)  # representable by construction
+    edges = torch.tensor([fmt.max, fmt.min_normal, fmt.min_subnormal if fmt.subnormals else fmt.min_normal, 0.0, -0.0,
+                          math.inf, -math.inf, math.nan], dtype=torch.float64)
+    above = torch.nextafter(on_grid, torch.full_like(on_grid, math.inf))
+    x = torch.cat([randoms, on_grid, -on_grid, above, edges, -edges, torch.nextafter(edges, edges * 2),
+                   torch.nextafter(on_grid, torch.zeros_like(on_grid))])
+    got = representable(x, fmt)
+    assert torch.equal(got, round_to(x, fmt) == x)
+    assert bool(got[20000:40000].all()) and 0 < int(got.sum()) < x.numel()

@@ -27,7 +27,7 @@ import torch
 
 from .formats import FloatFormat, Overflow, get_format
 
-__all__ = ["round_to", "quantum"]
+__all__ = ["round_to", "quantum", "representable"]
 
 
 def quantum(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
@@ -36,6 +36,24 @@ def quantum(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
     _, exp = torch.frexp(a)
     e = (exp.to(torch.int64) - 1).clamp(min=fmt.emin)
     return torch.ldexp(torch.ones_like(a), (e - fmt.mantissa_bits).to(torch.float64))
+
+
+#: formats whose torch cast from float64 is exact exactly when the value is representable
+#: (IEEE formats with Inf: an unrepresentable value, rounded once or twice, becomes another value)
+_CAST_CHECKED = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def representable(x: torch.Tensor, fmt: FloatFormat | str) -> torch.Tensor:
+    """Elementwise ``round_to(x, fmt) == x``: ``x`` is a value of ``fmt`` (NaN never is).
+
+    For fp32, bf16 and fp16 this is a cast round trip, two passes instead of
+    :func:`round_to`'s fifteen: a representable value survives any cast chain exactly (torch
+    casts float64 to bf16/fp16 through float32, and every such value is a float32 value), and
+    an unrepresentable one becomes another value, ``+-inf`` beyond the range."""
+    fmt = get_format(fmt)
+    if fmt.torch_dtype in _CAST_CHECKED:
+        return x.to(fmt.torch_dtype).to(x.dtype) == x
+    return round_to(x, fmt) == x
 
 
 def round_to(x: torch.Tensor, fmt: FloatFormat | str, *, overflow: Overflow | None = None,

@@ -126,8 +126,8 @@ from fractions import Fraction
 import torch
 
 from ..cpu_kernels import warn_if_unmodelled
-from ..formats import FloatFormat, half_ulp
-from ..rounding import round_to
+from ..formats import FloatFormat, get_format, half_ulp
+from ..rounding import representable, round_to
 from .base import Bound, Explanation
 from .common import (
     FP32,
@@ -490,6 +490,14 @@ def _two_sum(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     return s, e
 
 
+def _embeds(t: torch.Tensor, fmt: FloatFormat) -> bool:
+    """Every value of ``t``'s dtype is a value of ``fmt`` (its conversion into ``fmt`` is exact)."""
+    try:
+        return isinstance(t, torch.Tensor) and conversion_exact(get_format(t.dtype), fmt)
+    except ValueError:  # a dtype without a known format (integers)
+        return False
+
+
 @register("add", "residual_add")
 def add(x: torch.Tensor, y: torch.Tensor, *, fmt=None, compute_fmt=None, out_fmt=None, mode: str = "deterministic",
         failure_probability: float | None = None) -> Bound:
@@ -498,16 +506,18 @@ def add(x: torch.Tensor, y: torch.Tensor, *, fmt=None, compute_fmt=None, out_fmt
     ms = resolve_mode(mode, failure_probability)
     c, o = prec.compute, prec.out
     x64, y64 = torch.broadcast_tensors(f64(x), f64(y))
-    xc, yc = round_to(x64, c), round_to(y64, c)
-    dx, dy = (xc - x64).abs(), (yc - y64).abs()
+    # conversion errors dx, dy into c; none for an input whose dtype embeds in c (bf16 into fp32)
+    conversions = [(t64 - round_to(t64, c)).abs() for t, t64 in ((x, x64), (y, y64)) if not _embeds(t, c)]
     s, e = _two_sum(x64, y64)
     mag = s.abs() + e.abs()
-    r_c = hu(mag + dx + dy, c)
-    err = combine(torch.zeros_like(mag), [dx, dy, r_c], ms)
+    r_c = hu(sum(conversions, mag), c)
+    err = combine(torch.zeros_like(mag), conversions + [r_c], ms)
     if not conversion_exact(c, o):
         err = err + hu(mag + err, o)
     # the exact sum representable in c and o (and inputs exact in c): the result is exact
-    exact = (e == 0) & (dx == 0) & (dy == 0) & (round_to(s, c) == s) & (round_to(s, o) == s)
+    exact = (e == 0) & representable(s, c) & representable(s, o)
+    for d in conversions:
+        exact &= d == 0
     err = torch.where(exact, torch.zeros_like(err), err)
     bad = ~(torch.isfinite(x64) & torch.isfinite(y64) & torch.isfinite(s))
     err = torch.where(bad, torch.full_like(err, math.inf), err)
