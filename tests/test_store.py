@@ -201,26 +201,6 @@ def test_background_writer_writes_what_a_synchronous_one_does(tmp_path):
         assert all(torch.equal(t_sync[k].view(torch.uint8), t_bg[k].view(torch.uint8)) for k in t_sync)
 
 
-def test_background_stats_writer_reduces_copies_taken_when_added(tmp_path):
-    """Stats mode in the background: a large tensor's statistics come from a copy reduced on
-    the writer's thread, so a tensor the run changes after ``add`` (an accumulated gradient)
-    gets the statistics of its value when added, as a synchronous writer records them."""
-    manifests = {}
-    for sub, background in (("sync", False), ("bg", True)):
-        with TraceWriter(tmp_path / sub, 0, 1, LAYOUT, SIG, mode="stats", background=background) as w:
-            for step in (0, 1):
-                grad = torch.randn(store.STATS_CHUNK + 1, generator=torch.Generator().manual_seed(step))
-                w.add("grad", grad, phase="grad", step=step)
-                w.add("small", grad[:10].clone(), phase="grad", step=step)
-                grad.mul_(3.0)  # the run goes on: e.g. the next microbatch accumulates into it
-                w.flush_step(step)
-        manifests[sub] = [json.loads(manifest_path(tmp_path / sub, step, 0).read_text())["entries"] for step in (0, 1)]
-    assert manifests["sync"] == manifests["bg"]
-    norm = manifests["bg"][0][0]["stats"]["norm"]
-    expected = torch.randn(store.STATS_CHUNK + 1, generator=torch.Generator().manual_seed(0)).double().norm()
-    assert norm == pytest.approx(float(expected), rel=1e-12)
-
-
 def test_background_writer_error_is_raised_later_and_the_step_kept(tmp_path, monkeypatch):
     w = TraceWriter(tmp_path, 1, 2, LAYOUT, SIG, background=True)
     w.add("w", torch.randn(64), phase="grad", step=7)

@@ -290,7 +290,7 @@ def _unlink_quietly(path: Path) -> None:
 class _Buffered(NamedTuple):
     """A traced tensor waiting for its step's flush: its manifest entry, what the tensor file
     stores for it (None in stats mode), and the copy whose statistics are still to be taken
-    (a background writer's large tensors; else None)."""
+    (a background writer's full mode; else None)."""
 
     entry: dict[str, Any]
     stored: torch.Tensor | None
@@ -333,10 +333,7 @@ class TraceWriter:
     GIL): a full trace of a large model then costs little more than its copies. At most one
     step is in flight (``flush_step`` first waits for the previous one), so the buffered
     copies are at most two steps' worth; ``wait()`` blocks until the step in flight is on
-    disk, ``close()`` (or leaving the ``with`` block) until everything is. In stats mode a
-    background writer copies the tensors of at least ``STATS_CHUNK`` elements (on their
-    device) and reduces the copies on its thread: the run pays a copy instead of the
-    statistics' passes, and holds those copies until they are reduced (at most two steps').
+    disk, ``close()`` (or leaving the ``with`` block) until everything is.
     """
 
     def __init__(self, root: str | Path, rank: int, world_size: int, layout: dict[str, Any],
@@ -413,14 +410,11 @@ class TraceWriter:
                              step=step, tensor=name)
         key = f"{phase}/{name}/mb{microbatch}/i{index}"
         with torch._C.DisableTorchFunction():  # plain copy and stats even under a TorchFunctionMode
-            # a background writer takes a large tensor's statistics on its thread, off the run's path,
-            # from a copy (the run may change the tensor); a small one's here (their cost is Python
-            # that would contend for the GIL there)
-            later = self._executor is not None and tensor.numel() >= STATS_CHUNK
-            if self.mode == "full":
-                copy = tensor.detach().to("cpu", copy=True).contiguous()
-            else:  # stats mode keeps no data: the statistics read the tensor where it is, or a copy for later
-                copy = tensor.detach().clone() if later else tensor.detach()
+            # stats mode keeps no data: the statistics read the tensor where it is, no copy
+            copy = tensor.detach().to("cpu", copy=True).contiguous() if self.mode == "full" else tensor.detach()
+            # a background writer takes a large full copy's statistics on its thread, off the run's
+            # path; a small one's here (their cost is Python that would contend for the GIL there)
+            later = self.mode == "full" and self._executor is not None and copy.numel() >= STATS_CHUNK
             entry = {"key": key, "name": name, "phase": phase, "step": step,
                      "microbatch": int(microbatch), "index": int(index),
                      "dtype": _dtype_name(copy.dtype), "shape": list(copy.shape),
