@@ -75,7 +75,7 @@ class _PerturbGrad(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g):
-        return (g.double() + ctx.noise_fn(g)).to(g.dtype), None
+        return (g.to(_work_dtype(g.dtype)) + ctx.noise_fn(g)).to(g.dtype), None
 
 
 class NoiseInjector(TorchFunctionMode):
@@ -118,11 +118,13 @@ class NoiseInjector(TorchFunctionMode):
         self.module_of = module_of or (lambda: "")
         self.perturbed = 0
 
-    def _noise(self, b: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    def _noise(self, b: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         """``U * b``, ``U ~ Uniform[-1, 1]`` elementwise (drawn in float32, ~0.65x the cost of
-        float64 draws on this CPU: ``U`` needs no more than 24 random bits), in float64."""
+        float64 draws on this CPU: ``U`` needs no more than 24 random bits), in the working
+        dtype of a result of ``dtype`` (:func:`_work_dtype`)."""
         u = torch.rand(shape, generator=self.gen, dtype=torch.float32).mul_(2).sub_(1)
-        return u * torch.broadcast_to(b, shape)
+        work = _work_dtype(dtype)
+        return (u if work == torch.float32 else u.to(work)).mul_(b.to(work) if isinstance(b, torch.Tensor) else b)
 
     def _amplitude(self, what: str, operands: tuple, compute: Callable[[], torch.Tensor],
                    output: torch.Tensor | None = None,
@@ -157,7 +159,7 @@ class NoiseInjector(TorchFunctionMode):
         return self.local.of(OpCall("op", "matmul", (a, b)), None, self.module_of())
 
     def _gemm_noise(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, shape: torch.Size,
-                    output: torch.Tensor | None = None) -> torch.Tensor:
+                    dtype: torch.dtype, output: torch.Tensor | None = None) -> torch.Tensor:
         """Noise of a GEMM result ``a @ b (+ bias)``: of :meth:`_variance_amplitude` in fp32
         (forward and backward); else, in backward, ``U`` times :meth:`_gemm_bound`."""
         def amplitude(a: torch.Tensor, shape: torch.Size) -> torch.Tensor:
@@ -170,11 +172,11 @@ class NoiseInjector(TorchFunctionMode):
             return amplitude(a.reshape(-1, a.shape[-1])[index], torch.Size((index.numel(), shape[-1])))
         by_rows = rows if b.dim() == 2 and a.dim() >= 2 and tuple(a.shape[:-1]) == tuple(shape[:-1]) else None
         return self._noise(self._amplitude("gemm", (a, b, bias), lambda: amplitude(a, shape), output, by_rows),
-                           shape)
+                           shape, dtype)
 
     def _grad_rounding(self, g: torch.Tensor) -> torch.Tensor:
         b = half_ulp(g.detach(), get_format(g.dtype), torch.float32 if g.dtype in NARROW_DTYPES else torch.float64)
-        return self._noise(b if self.local.against_exact else 2 * b, g.shape)
+        return self._noise(b if self.local.against_exact else 2 * b, g.shape, g.dtype)
 
     def _grad_noise_fns(self, call: OpCall, slot: _Slot) -> list[Callable[[torch.Tensor], torch.Tensor] | None]:
         """One noise function per tensor input of ``call`` (None: no backward rounding)."""
@@ -183,17 +185,17 @@ class NoiseInjector(TorchFunctionMode):
             wt = w if call.op == "linear" else w.transpose(-1, -2)  # grad_x = g @ wt
 
             def gx(g):
-                return self._gemm_noise(slot.g, wt, None, g.shape)
+                return self._gemm_noise(slot.g, wt, None, g.shape, g.dtype)
 
             def gw(g):
                 go = slot.g.reshape(-1, slot.g.shape[-1])
                 xi = x.reshape(-1, x.shape[-1]).detach()
                 if call.op == "linear":  # grad_W = g^T x, shape (out, in)
-                    return self._gemm_noise(go.transpose(0, 1), xi, None, g.shape)
+                    return self._gemm_noise(go.transpose(0, 1), xi, None, g.shape, g.dtype)
                 xt = x.detach().transpose(-1, -2)  # grad_B = A^T g, summed over batch dims
                 return self._noise(self._amplitude("batched-weight-grad", (xt, slot.g),
                                                    lambda: self._batched_weight_grad_amplitude(xt, slot.g, g.shape)),
-                                   g.shape)
+                                   g.shape, g.dtype)
 
             fns: list = [gx, gw]
             if len(call.inputs) > 2:  # bias: sum of the output gradient over the tokens
@@ -267,7 +269,7 @@ class NoiseInjector(TorchFunctionMode):
 
         def fn(g: torch.Tensor) -> torch.Tensor:
             deps = operands() if operands is not None else (terms(),)
-            return self._noise(self._amplitude("sum", deps, lambda: amplitude(g)), g.shape)
+            return self._noise(self._amplitude("sum", deps, lambda: amplitude(g)), g.shape, g.dtype)
         return fn
 
     def _broadcast_sum_noise(self, t: torch.Tensor, slot: _Slot):
@@ -326,17 +328,18 @@ class NoiseInjector(TorchFunctionMode):
         if call.op in ("linear", "matmul") and self._variance_applies(out, *call.inputs[:2]):
             a, w = call.inputs[0], call.inputs[1]
             bias = call.inputs[2] if len(call.inputs) > 2 else None
-            noise = self._gemm_noise(a, w.transpose(-1, -2) if call.op == "linear" else w, bias, out.shape, out)
+            noise = self._gemm_noise(a, w.transpose(-1, -2) if call.op == "linear" else w, bias, out.shape,
+                                     out.dtype, out)
         elif call.kind == "op":  # a model's bound: worth reusing (a rounding's costs less than a lookup)
             kwargs_in = tuple(v for _, v in sorted(call.kwargs.items()))
             module = self.module_of()
             noise = self._noise(self._amplitude(call.op, call.inputs + kwargs_in,
                                                 lambda: self.local.of(call, out, module), out,
                                                 _gemm_rows(call, out, lambda c: self.local.of(c, None, module))),
-                                out.shape)
+                                out.shape, out.dtype)
         else:
-            noise = self._noise(self.local.of(call, out, self.module_of()), out.shape)
-        noisy = (out.detach().double() + noise).to(out.dtype)
+            noise = self._noise(self.local.of(call, out, self.module_of()), out.shape, out.dtype)
+        noisy = (out.detach().to(_work_dtype(out.dtype)) + noise).to(out.dtype)
         self.perturbed += 1
         if out.requires_grad:
             # infinite entries (a -inf attention mask through a cast) stay as they are: inf - inf is NaN
@@ -346,6 +349,15 @@ class NoiseInjector(TorchFunctionMode):
                 out = _CaptureGrad.apply(out, slot)
             return out
         return noisy
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Where the noise of a result of ``dtype`` is drawn and added before the result is rounded
+    back: float32 for bf16/fp16 results (which it holds exactly; the sum then rounds twice, which
+    differs from one rounding only at the ties of a double rounding, immaterial for random
+    noise, and costs a third of float64 arithmetic on 2M-element results), float64 otherwise
+    (an fp32 result's noise is a fraction of its own ulp)."""
+    return torch.float32 if dtype in NARROW_DTYPES else torch.float64
 
 
 def _gemm_rows(call: OpCall, out: torch.Tensor, bound: Callable[[OpCall], torch.Tensor]
