@@ -169,13 +169,13 @@ class NoiseInjector(TorchFunctionMode):
             return self._gemm_bound(a, b).reshape(shape)
 
         def rows(index: torch.Tensor) -> torch.Tensor:
-            return amplitude(a.reshape(-1, a.shape[-1])[index], torch.Size((index.numel(), shape[-1])))
-        by_rows = rows if b.dim() == 2 and a.dim() >= 2 and tuple(a.shape[:-1]) == tuple(shape[:-1]) else None
+            return amplitude(_rows_of(a, index), torch.Size((index.numel(), shape[-1])))
+        by_rows = rows if _row_separable(a, b, shape) else None
         return self._noise(self._amplitude("gemm", (a, b, bias), lambda: amplitude(a, shape), output, by_rows),
                            shape, dtype)
 
     def _grad_rounding(self, g: torch.Tensor) -> torch.Tensor:
-        b = half_ulp(g.detach(), get_format(g.dtype), torch.float32 if g.dtype in NARROW_DTYPES else torch.float64)
+        b = half_ulp(g.detach(), get_format(g.dtype), _work_dtype(g.dtype))
         return self._noise(b if self.local.against_exact else 2 * b, g.shape, g.dtype)
 
     def _grad_noise_fns(self, call: OpCall, slot: _Slot) -> list[Callable[[torch.Tensor], torch.Tensor] | None]:
@@ -368,14 +368,24 @@ def _gemm_rows(call: OpCall, out: torch.Tensor, bound: Callable[[OpCall], torch.
     if call.op not in ("linear", "matmul") or len(call.inputs) < 2:
         return None
     a, b = call.inputs[0], call.inputs[1]
-    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and b.dim() == 2 and a.dim() >= 2
-            and tuple(a.shape[:-1]) == tuple(out.shape[:-1])):
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _row_separable(a, b, out.shape)):
         return None
 
     def rows(index: torch.Tensor) -> torch.Tensor:
-        sub = replace(call, inputs=(a.reshape(-1, a.shape[-1])[index],) + tuple(call.inputs[1:]))
+        sub = replace(call, inputs=(_rows_of(a, index),) + tuple(call.inputs[1:]))
         return bound(sub).reshape(index.numel(), out.shape[-1])
     return rows
+
+
+def _row_separable(a: torch.Tensor, b: torch.Tensor, shape: torch.Size) -> bool:
+    """The bound of ``a @ b`` (result ``shape``) is computed row by row from the rows of ``a``
+    and the whole of ``b``: ``b`` is 2-D and the result's rows are ``a``'s."""
+    return b.dim() == 2 and a.dim() >= 2 and tuple(a.shape[:-1]) == tuple(shape[:-1])
+
+
+def _rows_of(a: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows ``index`` of ``a``, flat over its leading dimensions."""
+    return a.reshape(-1, a.shape[-1])[index]
 
 
 def _wrap(a, inputs: tuple, fns: list):
