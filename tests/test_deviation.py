@@ -222,6 +222,42 @@ def test_a_background_reference_writer_gives_the_same_thresholds(tmp_path):
 
 
 # ------------------------------------------------------------------ statistics-only candidates
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("work", [torch.float32, torch.float64])
+def test_storage_rounding_excess_equals_its_formula_everywhere(dtype, work):
+    """The excess evaluated only where ``|x - ref| > u |ref|`` equals the formula on every
+    element, bit for bit: equal values, one-ulp flips (across powers of two too), larger
+    differences, sign changes, zeros, subnormals and NaN/Inf of the candidate; the filter
+    decides every equal pair without the formula (in a correct run most elements are equal)."""
+    from tracer.deviation import storage_rounding_excess
+    from ttrace_num.formats import get_format, half_ulp
+    fmt = get_format(dtype)
+    g = torch.Generator().manual_seed(11)
+    n = 1 << 14
+    tiny = torch.finfo(dtype).tiny
+    ref = torch.cat([torch.randn(n, generator=g) * torch.exp2(torch.randint(-12, 12, (n,), generator=g).float()),
+                     torch.exp2(torch.randint(-10, 10, (256,), generator=g).float()),       # powers of two
+                     tiny * torch.randint(-8, 8, (256,), generator=g).float() / 8,            # subnormals
+                     torch.zeros(64)]).to(dtype)
+    up = torch.nextafter(ref, torch.full_like(ref, math.inf))
+    down = torch.nextafter(ref, torch.full_like(ref, -math.inf))
+    pick = torch.randint(0, 6, ref.shape, generator=g)
+    x = torch.where(pick == 0, up, torch.where(pick == 1, down, ref))
+    x = torch.where(pick == 2, (ref.float() * (1 + 0.01 * torch.randn(ref.shape, generator=g))).to(dtype), x)
+    x = torch.where(pick == 3, -ref, x)
+    x = torch.where(pick == 4, torch.nextafter(up, torch.full_like(ref, math.inf)), x)   # two ulps
+    x[:3] = torch.tensor([math.nan, math.inf, -math.inf]).to(dtype)
+    r, c = ref.to(work), x.to(work)
+    want = ((c - r).abs() - 2 * half_ulp(torch.maximum(c.abs(), r.abs()), fmt, work)).clamp_min(0.0)
+    excess = storage_rounding_excess("param", dtype, r)
+    got = excess(c)
+    excess = storage_rounding_excess("param", dtype, r[3:])
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert math.isclose(excess.norm(c[3:]), float(torch.linalg.vector_norm(want[3:])), rel_tol=1e-6)  # the norm alone
+    near = (c - r).abs() <= r.abs() * fmt.u
+    assert bool(near[c == r].all()) and float(near.float().mean()) > 0.15  # equal pairs skip the formula
+
+
 def test_storage_rounding_allowance_bounds_what_the_excess_removes():
     """||x - ref|| - ||excess(x)|| <= the allowance from norms, on one-ulp flips of bf16 values just
     above powers of two (where it is nearly attained) and on random differences; a factor 1

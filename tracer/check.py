@@ -220,7 +220,7 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
         error = float(torch.linalg.vector_norm(diff))
     max_abs = _max_abs(diff)
     if dev.excess is not None and diff.numel():
-        error = float(torch.linalg.vector_norm(dev.excess(cc)))
+        error = dev.excess.norm(cc)
     if not noisy:
         return TensorCheck(**base, status="unchecked", error=error, threshold=math.nan, ratio=math.nan,
                            max_abs=max_abs, ref_norm=ref_norm, note="no noise sample traced this tensor")

@@ -59,13 +59,16 @@ class StateSnapshot:
         self.extra = {m: m.get_extra_state() for m in model.modules()
                       if type(m).get_extra_state is not torch.nn.Module.get_extra_state}
 
-    def restore(self) -> None:
+    def restore(self, last_use: bool = False) -> None:
+        """Put the saved values back; ``last_use``: this snapshot is not restored again, so the
+        optimizer takes its saved state tensors instead of copies (the parameters are copied
+        into in any case: other objects, e.g. gradient buffers, hold views of them)."""
         with torch.no_grad():
             for t, s in zip(self.tensors, self.saved):
                 t.copy_(s)
         self.inner.state.clear()
         for p, st in self.state.items():
-            self.inner.state[p] = _clone_state(st)
+            self.inner.state[p] = dict(st) if last_use else _clone_state(st)
         for m, st in self.extra.items():
             m.set_extra_state(st)
 
@@ -136,20 +139,19 @@ class NoiseSampler:
         state after it."""
         from ttrace_num.propagate.memo import AmplitudeMemo
         from ttrace_num.propagate.noise import NoiseInjector, perturb_custom_backward
-        before = StateSnapshot(self.model, self.optimizer)
+        if not self.states:  # the first step: every sample starts from the state before it
+            self.states = [StateSnapshot(self.model, self.optimizer)] * len(self.writers)
         out = traced_step(None)
         if self.clean_writer is not None:
             self.clean_writer.wait()
         after = StateSnapshot(self.model, self.optimizer)
-        if not self.states:
-            self.states = [before] * len(self.writers)
         memo = AmplitudeMemo() if self.reuse_amplitudes else None
         if self.moments is not None:
             self.moments.reset()
         seconds = []
         for i, w in enumerate(self.writers):
             t0 = time.perf_counter()
-            self.states[i].restore()
+            self.states[i].restore(last_use=self.states[i] not in self.states[i + 1:])
             gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 101 + i)
             if memo is not None:
                 memo.rewind()
@@ -165,5 +167,5 @@ class NoiseSampler:
             self.amplitude_hits += memo.hits
             self.amplitude_patched += memo.patched
             self.amplitude_misses += memo.misses
-        after.restore()
+        after.restore(last_use=True)
         return out
