@@ -215,7 +215,8 @@ PROFILE_PARTS = (
     ("noise threshold (moments_threshold, incl. F quantile)", "tracer/thresholds.py", "moments_threshold"),
     ("F quantile (scipy.special.fdtri)", "tracer/thresholds.py", "_f_quantile"),
     ("unmodelled_threshold", "tracer/thresholds.py", "unmodelled_threshold"),
-    ("storage-rounding excess (bf16 params)", "tracer/check.py", "<lambda>"),
+    ("storage-rounding excess (bf16 params)", "tracer/deviation.py", "_far"),
+    ("difference norms, chunk by chunk", "tracer/difference.py", "difference_norms"),
     ("worst ranks (_worst_ranks)", "tracer/check.py", "_worst_ranks"),
 )
 

@@ -32,9 +32,11 @@ from typing import Any
 import torch
 
 from tracer.canonical import Placement, assemble, shard
+from tracer.difference import difference_norms
 from tracer.decisions import TOPK_CONSUMER_META, TOPK_META, ChoiceChange, choice_changes, without_choices
 from tracer.deviation import (DEVIATION_FIELD, DeviationOf, Key, SampleMoments, combined_moments, entry_key,
-                              storage_rounding_allowance, work_dtype)
+                              storage_rounding_allowance, storage_rounding_excess, stored_rounded,
+                              work_dtype)
 from tracer.errors import IncomparableRunsError, TraceError
 from tracer.store import TraceReader
 from tracer.thresholds import (DEFAULT_FALSE_ALARM, deviation_threshold, moments_threshold, noise_threshold,
@@ -194,48 +196,55 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
         if row.status == "nonfinite" or not any(map(math.isinf, (row.error, row.threshold, row.ref_norm))):
             return row  # else a float32 overflow: again in float64
     work = torch.float64 if work is None else work
-    r, c = ref_t.detach().to(work), cand_t.detach().to(work)
-    # the common case, all finite, from the norm of the difference (a NaN or Inf of either makes
-    # it non-finite): no elementwise masks, no masking, no copies
-    diff = c - r
-    error = float(torch.linalg.vector_norm(diff)) if diff.numel() else 0.0
-    rf = None
-    if not math.isfinite(error):  # masks of the finite elements (a difference may also overflow)
-        rf, cf = torch.isfinite(r), torch.isfinite(c)
-        if bool(rf.all()) and bool(cf.all()):
+    # the common case, all finite: the norms chunk by chunk (a NaN or Inf of either, or an
+    # overflow, makes them non-finite), no elementwise masks, no whole-tensor copies
+    norms = difference_norms(ref_t, cand_t, work)
+    dev: DeviationOf | None = None
+
+    def deviation() -> DeviationOf:  # the reference in the working dtype, when elementwise work needs it
+        nonlocal dev
+        if dev is None:
+            dev = DeviationOf(ref_t.detach().to(work), ref_t.dtype, phase, finite=True)
+        return dev
+    if norms is not None:
+        error, ref_norm, max_abs = norms
+    else:
+        r, c = ref_t.detach().to(work), cand_t.detach().to(work)
+        rf, cf = torch.isfinite(r), torch.isfinite(c)  # masks of the finite elements
+        if bool(rf.all()) and bool(cf.all()):  # an overflow of the difference
             rf = None
-    ref_norm = float(torch.linalg.vector_norm(r if rf is None else r[rf])) if r.numel() else 0.0
-    if rf is not None and not bool(torch.equal(rf, cf) and torch.equal(r[~rf].nan_to_num(1.0, 2.0, -2.0),
-                                                                       c[~cf].nan_to_num(1.0, 2.0, -2.0))):
-        bad = (~cf & rf).nonzero()
-        where = f" first at index {bad[0].tolist()}" if len(bad) else ""
-        return TensorCheck(**base, status="nonfinite", error=math.inf, threshold=0.0, ratio=math.inf,
-                           max_abs=math.inf, ref_norm=ref_norm,
-                           note=f"NaN/Inf pattern differs from the reference: {int((~cf).sum())} non-finite "
-                                f"in the candidate, {int((~rf).sum())} in the reference;{where}")
-    dev = DeviationOf(r, ref_t.dtype, phase, finite=True if rf is None else rf)
-    cc = dev.part(c)
-    if rf is not None:  # the same non-finite pattern: their positions count as equal
-        diff = cc - dev.ref
-        error = float(torch.linalg.vector_norm(diff))
-    max_abs = _max_abs(diff)
-    if dev.excess is not None and diff.numel():
-        error = dev.excess.norm(cc)
+        ref_norm = float(torch.linalg.vector_norm(r if rf is None else r[rf]))
+        if rf is not None and not bool(torch.equal(rf, cf) and torch.equal(r[~rf].nan_to_num(1.0, 2.0, -2.0),
+                                                                           c[~cf].nan_to_num(1.0, 2.0, -2.0))):
+            bad = (~cf & rf).nonzero()
+            where = f" first at index {bad[0].tolist()}" if len(bad) else ""
+            return TensorCheck(**base, status="nonfinite", error=math.inf, threshold=0.0, ratio=math.inf,
+                               max_abs=math.inf, ref_norm=ref_norm,
+                               note=f"NaN/Inf pattern differs from the reference: {int((~cf).sum())} non-finite "
+                                    f"in the candidate, {int((~rf).sum())} in the reference;{where}")
+        # the same non-finite pattern: their positions count as equal
+        dev = DeviationOf(r, ref_t.dtype, phase, finite=True if rf is None else rf)
+        diff = dev.part(c) - dev.ref
+        error, max_abs = float(torch.linalg.vector_norm(diff)), _max_abs(diff)
+    if stored_rounded(phase, ref_t.dtype) and ref_t.numel():  # on the stored values where all are finite
+        error = (deviation().excess.norm(deviation().part(cand_t)) if norms is None
+                 else storage_rounding_excess(phase, ref_t.dtype, ref_t).norm(cand_t))
     if not noisy:
         return TensorCheck(**base, status="unchecked", error=error, threshold=math.nan, ratio=math.nan,
                            max_abs=max_abs, ref_norm=ref_norm, note="no noise sample traced this tensor")
     th = (moments_threshold(noisy.z, noisy.m_sq, false_alarm) if isinstance(noisy, SampleMoments)
-          else deviation_threshold([dev(n) for n in noisy], false_alarm))  # one converted sample at a time
+          else deviation_threshold([deviation()(n) for n in noisy], false_alarm))  # one converted sample at a time
     if th.threshold == 0.0 and ref_t.is_floating_point():
-        th = unmodelled_threshold(dev.ref, ref_t.dtype)
+        th = unmodelled_threshold(deviation().ref, ref_t.dtype)
     ratio = error / th.threshold if th.threshold > 0 else (0.0 if error == 0 else math.inf)
     status = "over" if ratio > 1 else "ok"
     note = "; ".join(notes)
     if notes:
         status = "replicas" if status == "ok" else status
     worst = []
-    if status != "ok" and diff.numel():
-        worst = _worst_ranks(tuple(ref_t.shape), int(diff.abs().reshape(-1).argmax()), cand_entries)
+    if status != "ok" and ref_t.numel():
+        d = deviation()
+        worst = _worst_ranks(tuple(ref_t.shape), int((d.part(cand_t) - d.ref).abs().reshape(-1).argmax()), cand_entries)
     return TensorCheck(**base, status=status, error=error, threshold=th.threshold, ratio=ratio, max_abs=max_abs,
                        ref_norm=ref_norm, n_eff=th.n_eff, factor=th.factor, worst_ranks=worst, note=note)
 

@@ -47,8 +47,9 @@ from tracer.decisions import TOPK_CONSUMER_META, TOPK_META
 from tracer.errors import TraceError
 from tracer.store import TraceReader, TraceWriter
 
-__all__ = ["DEVIATION_FIELD", "DeviationOf", "Key", "MomentAccumulator", "MomentWriter", "SampleMoments", "StorageRoundingExcess",
-           "combined_moments", "entry_key", "storage_rounding_allowance", "storage_rounding_excess", "work_dtype"]
+__all__ = ["DEVIATION_FIELD", "DeviationOf", "Key", "MomentAccumulator", "MomentWriter", "SampleMoments",
+           "StorageRoundingExcess", "combined_moments", "entry_key", "storage_rounding_allowance",
+           "storage_rounding_excess", "stored_rounded", "work_dtype"]
 
 #: manifest entry field of a tensor stored as moments: ``{"dtype", "shape"}`` of the traced tensor and
 #: the ``sample`` index (``c`` sums over the samples before it); the entry's own ``dtype``/``shape``
@@ -73,7 +74,7 @@ def work_dtype(*dtypes: torch.dtype) -> torch.dtype:
     return torch.float32 if all(d in _FLOAT32_WORK for d in dtypes) else torch.float64
 
 
-def _stored_rounded(phase: str, dtype: torch.dtype) -> bool:
+def stored_rounded(phase: str, dtype: torch.dtype) -> bool:
     """A parameter after the update stored narrower than fp32: the rounding of an fp32 main
     parameter (where :func:`storage_rounding_excess` and its allowance apply)."""
     return phase == "param" and dtype in (torch.bfloat16, torch.float16)
@@ -91,7 +92,7 @@ def storage_rounding_excess(phase: str, dtype: torch.dtype, ref: torch.Tensor) -
     less than an ulp), so only the part of a difference beyond it is counted, in the
     candidate's error and in the noise samples' deviations alike.
     """
-    if not _stored_rounded(phase, dtype):
+    if not stored_rounded(phase, dtype):
         return None
     from ttrace_num.formats import get_format
     return StorageRoundingExcess(ref, get_format(dtype))
@@ -99,24 +100,21 @@ def storage_rounding_excess(phase: str, dtype: torch.dtype, ref: torch.Tensor) -
 
 class StorageRoundingExcess:
     r"""``excess(x) = max(0, |x - ref| - 2 half_ulp(max(|x|, |ref|)))`` elementwise
-    (:func:`storage_rounding_excess`), evaluated only where it can be non-zero.
+    (:func:`storage_rounding_excess`), evaluated only where ``x != ref``.
 
-    ``2 half_ulp(v) = 2 u 2^{floor(log2 v)} > u v`` for a normal ``v`` of the format (``u`` its
-    unit roundoff), ``= s > u v`` below the normal range (``s`` the subnormal spacing), and
-    ``half_ulp`` is non-decreasing; so ``|x - ref| <= u |ref|`` implies
-    ``|x - ref| <= 2 half_ulp(|ref|) <= 2 half_ulp(max(|x|, |ref|))``: the excess is exactly 0
-    there. ``u |ref|`` is a multiplication by a power of two, exact for the values of the
-    stored formats in the working dtype (bf16 subnormals times ``2^-8`` are float32
-    subnormals). Only the other elements, in a correct run the one-ulp flips and few more,
-    go through the formula: half the time of the whole formula on 4M bf16 values with 1% flips, the
-    same values bit for bit (``tests/test_deviation.py``)."""
+    Equal values have no excess (the formula gives ``max(0, -2 half_ulp) = 0``), and in a
+    correct run most elements of a parameter stored in bf16 are equal: the test is one pass
+    over the stored values, in their own dtype, and only the unequal elements (one-ulp flips
+    and larger differences, NaN included) are converted to the working dtype
+    (:func:`work_dtype`) and go through the formula. The values are the formula's, bit for
+    bit (``tests/test_deviation.py``). ``ref`` and ``x`` are finite where they are equal (a
+    non-finite reference position is zeroed in both before, :class:`DeviationOf`)."""
 
     def __init__(self, ref: torch.Tensor, fmt: Any) -> None:
-        self.ref, self.fmt = ref, fmt
-        self._zero_below: torch.Tensor | None = None  # u |ref|, on first use
+        self.ref, self.fmt = ref.detach(), fmt
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """The excess of ``x``, elementwise."""
+        """The excess of ``x``, elementwise, in the working dtype."""
         far, values = self._far(x)
         out = torch.zeros(x.numel(), dtype=values.dtype)
         out[far] = values
@@ -127,14 +125,12 @@ class StorageRoundingExcess:
         return float(torch.linalg.vector_norm(self._far(x)[1]))
 
     def _far(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat indices where the excess may be non-zero (NaN differences too), and its values there."""
+        """Flat indices of the elements unequal to the reference, and their excess."""
         from ttrace_num.formats import half_ulp
-        if self._zero_below is None:
-            self._zero_below = self.ref.reshape(-1).abs().mul_(self.fmt.u)
-        dist = (x - self.ref).reshape(-1).abs_()  # in place: fresh large tensors cost page faults
-        far = (dist <= self._zero_below).logical_not_().nonzero().squeeze(1)
-        xf, rf = x.reshape(-1)[far], self.ref.reshape(-1)[far]
-        return far, (dist[far] - 2 * half_ulp(torch.maximum(xf.abs(), rf.abs()), self.fmt, x.dtype)).clamp_min(0.0)
+        work = work_dtype(x.dtype, self.ref.dtype)
+        far = torch.ne(x.detach(), self.ref).reshape(-1).nonzero().squeeze(1)
+        xf, rf = x.detach().reshape(-1)[far].to(work), self.ref.reshape(-1)[far].to(work)
+        return far, ((xf - rf).abs_() - 2 * half_ulp(torch.maximum(xf.abs(), rf.abs()), self.fmt, work)).clamp_min(0.0)
 
 
 def storage_rounding_allowance(phase: str, dtype: torch.dtype, norm_x: float, norm_ref: float, numel: int) -> float:
@@ -149,7 +145,7 @@ def storage_rounding_allowance(phase: str, dtype: torch.dtype, norm_x: float, no
     bound below its normal range), ``||max(|x|, |ref|)|| <= sqrt(||x||^2 + ||ref||^2)``, hence
     ``2 ||h|| <= 2 (u sqrt(||x||^2 + ||ref||^2) + s sqrt(n))``. Attained within ~1.4x by one-ulp
     flips of values just above a power of two (``tests/test_deviation.py``)."""
-    if not _stored_rounded(phase, dtype):
+    if not stored_rounded(phase, dtype):
         return 0.0
     from ttrace_num.formats import get_format
     fmt = get_format(dtype)
