@@ -45,17 +45,19 @@ class StateSnapshot:
     parameters and its state.
 
     ``optimizer`` is a ``torch.optim.Optimizer`` or a wrapper holding one as ``.optimizer``
-    (megatron-core's optimizers).
+    (megatron-core's optimizers). ``take_state``: keep the optimizer's state tensors themselves
+    instead of copies, for a caller that restores a snapshot (which replaces them) before the
+    optimizer steps again, so that nothing writes to them in between.
     """
 
-    def __init__(self, model: torch.nn.Module, optimizer: Any) -> None:
+    def __init__(self, model: torch.nn.Module, optimizer: Any, *, take_state: bool = False) -> None:
         self.inner = getattr(optimizer, "optimizer", optimizer)
         # Module.buffers, not model.buffers: megatron's DDP wrapper has a `buffers` attribute
         # (its gradient buffers) that shadows the method
         self.tensors = (list(model.parameters()) + list(torch.nn.Module.buffers(model))
                         + [p for g in self.inner.param_groups for p in g["params"]])
         self.saved = [t.detach().clone() for t in self.tensors]
-        self.state = {p: _clone_state(st) for p, st in self.inner.state.items()}
+        self.state = {p: dict(st) if take_state else _clone_state(st) for p, st in self.inner.state.items()}
         self.extra = {m: m.get_extra_state() for m in model.modules()
                       if type(m).get_extra_state is not torch.nn.Module.get_extra_state}
 
@@ -144,7 +146,7 @@ class NoiseSampler:
         out = traced_step(None)
         if self.clean_writer is not None:
             self.clean_writer.wait()
-        after = StateSnapshot(self.model, self.optimizer)
+        after = StateSnapshot(self.model, self.optimizer, take_state=True)  # the samples restore theirs next
         memo = AmplitudeMemo() if self.reuse_amplitudes else None
         if self.moments is not None:
             self.moments.reset()
@@ -158,7 +160,7 @@ class NoiseSampler:
             inj = NoiseInjector(gen, memo=memo, **self.injector_kwargs)
             with inj, perturb_custom_backward(inj, *self.custom_functions):
                 traced_step(w)
-            self.states[i] = StateSnapshot(self.model, self.optimizer)
+            self.states[i] = StateSnapshot(self.model, self.optimizer, take_state=True)  # a restore follows
             seconds.append(time.perf_counter() - t0)
         self.sample_seconds.append(seconds)
         if self.moments is not None:
