@@ -32,11 +32,11 @@ from typing import Any
 import torch
 
 from tracer.canonical import Placement, assemble, shard
-from tracer.difference import difference_norms
 from tracer.decisions import TOPK_CONSUMER_META, TOPK_META, ChoiceChange, choice_changes, without_choices
 from tracer.deviation import (DEVIATION_FIELD, DeviationOf, Key, SampleMoments, combined_moments, entry_key,
                               storage_rounding_allowance, storage_rounding_excess, stored_rounded,
                               work_dtype)
+from tracer.difference import difference_norms
 from tracer.errors import IncomparableRunsError, TraceError
 from tracer.store import TraceReader
 from tracer.thresholds import (DEFAULT_FALSE_ALARM, deviation_threshold, moments_threshold, noise_threshold,
@@ -244,7 +244,8 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
     worst = []
     if status != "ok" and ref_t.numel():
         d = deviation()
-        worst = _worst_ranks(tuple(ref_t.shape), int((d.part(cand_t) - d.ref).abs().reshape(-1).argmax()), cand_entries)
+        worst = _worst_ranks(tuple(ref_t.shape), int((d.part(cand_t) - d.ref).abs().reshape(-1).argmax()),
+                             cand_entries)
     return TensorCheck(**base, status=status, error=error, threshold=th.threshold, ratio=ratio, max_abs=max_abs,
                        ref_norm=ref_norm, n_eff=th.n_eff, factor=th.factor, worst_ranks=worst, note=note)
 
