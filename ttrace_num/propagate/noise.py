@@ -26,7 +26,6 @@ and returns, per named tensor, the largest deviation seen.
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable
@@ -340,12 +339,11 @@ class NoiseInjector(TorchFunctionMode):
                                 out.shape, out.dtype)
         else:
             noise = self._noise(self.local.of(call, out, self.module_of()), out.shape, out.dtype)
-        # the noise is a fresh tensor of the working dtype, which holds ``out`` exactly: added in place
-        noisy = noise.add_(out.detach()).to(out.dtype)
+        noisy = (out.detach().to(_work_dtype(out.dtype)) + noise).to(out.dtype)
         self.perturbed += 1
         if out.requires_grad:
             # infinite entries (a -inf attention mask through a cast) stay as they are: inf - inf is NaN
-            delta = (noisy - out.detach()).nan_to_num_(0.0, math.inf, -math.inf)
+            delta = torch.where(torch.isfinite(out), noisy.detach() - out.detach(), 0.0).to(out.dtype)
             out = out + delta
             if self.backward:
                 out = _CaptureGrad.apply(out, slot)
