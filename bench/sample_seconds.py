@@ -21,15 +21,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.tracer_cost import LAYOUTS, MODELS  # first: it undoes bench's kernel pin before torch is imported
+from bench.tracer_cost import LAYOUTS, MODELS, _worker  # first: it undoes bench's kernel pin before torch is imported
 from examples.gloo import run_gloo
-
-
-def _worker(rank: int, world: int, job: dict) -> tuple[list[float], list[list[float]]]:
-    from examples.megatron_cpu.gpt import build_and_train
-    r = build_and_train(job["layout"], steps=job["steps"], seed=1234, dtype="bf16", global_batch=1,
-                        trace=job["trace"], **job["model"])
-    return r["step_s"], (r.get("trace") or {}).get("sample_seconds", [])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -41,8 +34,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="sample_seconds_") as tmp:
         trace = {"root": str(Path(tmp) / "ref"), "noise_samples": a.samples, "noise_tp": LAYOUTS[2]["tp"],
                  "background": True}
-        job = {"layout": LAYOUTS[1], "steps": a.steps, "model": MODELS[a.model], "trace": trace}
-        steps, samples = run_gloo(_worker, 1, job, timeout_s=3600)[0]
+        job = {"model": a.model, "label": f"noise S={a.samples}", "layout": LAYOUTS[1], "steps": a.steps,
+               "dtype": "bf16", "trace": trace, "sizes": dict(MODELS[a.model]), "global_batch": 1}
+        rec = run_gloo(_worker, 1, [job], timeout_s=3600)[0][0]
+    steps, samples = rec["step_s"], rec["sample_seconds"]
     for i, (step, secs) in enumerate(zip(steps, samples)):
         print(f"step {i}: {step:.2f} s; samples {' '.join(f'{s:.2f}' for s in secs)} s "
               f"(first {secs[0]:.2f}, later mean {sum(secs[1:]) / max(len(secs) - 1, 1):.2f})")

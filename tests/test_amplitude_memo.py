@@ -5,11 +5,13 @@ same kind of data: operands whose rows moved by noise (reused), not operands who
 replaced (a routing change), reshaped, or renamed (recomputed). And the noise drawn with
 reused amplitudes must be as large as the noise drawn with fresh ones.
 """
+import math
+
 import torch
 import torch.nn.functional as F
 
 from examples.transformer_block import Block
-from ttrace_num.propagate.memo import AmplitudeMemo, row_fingerprint
+from ttrace_num.propagate.memo import AmplitudeMemo, _far_rows, row_fingerprint
 from ttrace_num.propagate.noise import NoiseInjector
 
 
@@ -189,3 +191,12 @@ def test_gemm_bounds_are_row_separable():
         assert part.shape == (4, 48) and full[index].min() > 0
         torch.testing.assert_close(part, full[index], rtol=1e-5, atol=0)
     assert _gemm_rows(classify(torch.matmul, (x, x.transpose(-1, -2)), {}), x @ x.transpose(-1, -2), None) is None
+
+
+def test_a_nan_fingerprint_is_far():
+    """A row whose fingerprint is NaN (a NaN operand) is never matched: its amplitude is recomputed."""
+    a = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+    b = a.clone()
+    b[0, 1] = math.nan
+    assert _far_rows(a, b, 0.25).tolist() == [False, True]
+    assert _far_rows(a, a.clone(), 0.25).tolist() == [False, False]

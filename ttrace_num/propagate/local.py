@@ -4,6 +4,7 @@ the difference of two runs' computation models (``difference``; two bounds add w
 models are not known to be bitwise identical)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -99,19 +100,13 @@ class LocalBounds:
         return half_ulp(out.detach().double().abs() * (1 + 2 * fmt.u), fmt)
 
 
-#: :func:`_rounding_table` per 16-bit dtype
-_ROUNDING_TABLES: dict[torch.dtype, torch.Tensor] = {}
-
-
+@functools.cache
 def _rounding_table(dtype: torch.dtype) -> torch.Tensor:
     """``half_ulp(|v| (1 + 2u))`` (float32; ``|v| (1 + 2u)`` and its half-ulp are exact there)
     for each of the 65536 values ``v`` of a 16-bit ``dtype``, indexed by ``v``'s bits: the
     rounding amplitude of a bf16/fp16 result is one gather from this table, the same values
-    as the arithmetic (``tests/test_propagate.py`` checks every bit pattern), at a third of its
-    passes over the result."""
-    table = _ROUNDING_TABLES.get(dtype)
-    if table is None:
-        fmt = get_format(dtype)
-        every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(dtype)  # bits i at index i
-        table = _ROUNDING_TABLES[dtype] = half_ulp(every.float().abs_().mul_(1 + 2 * fmt.u), fmt, torch.float32)
-    return table
+    as the arithmetic (``tests/test_local_rounding.py`` checks every bit pattern), at a third of
+    its passes over the result. Built once per dtype."""
+    fmt = get_format(dtype)
+    every = torch.arange(1 << 16, dtype=torch.int32).to(torch.int16).view(dtype)  # bits i at index i
+    return half_ulp(every.float().abs_().mul_(1 + 2 * fmt.u), fmt, torch.float32)

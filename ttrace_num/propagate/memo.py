@@ -204,6 +204,6 @@ class AmplitudeMemo:
 
 
 def _far_rows(a: torch.Tensor, b: torch.Tensor, tolerance: float) -> torch.Tensor:
-    """Per row, whether two row fingerprints (:func:`row_fingerprint`) differ by more than
-    ``tolerance`` times the larger norm (shape: the rows')."""
-    return ((a - b).abs() > tolerance * torch.maximum(a[-1], b[-1])).any(0)
+    """Per row, whether two row fingerprints (:func:`row_fingerprint`) are not within
+    ``tolerance`` times the larger norm (shape: the rows'); a NaN fingerprint is far."""
+    return (~((a - b).abs() <= tolerance * torch.maximum(a[-1], b[-1]))).any(0)
