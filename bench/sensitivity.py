@@ -13,7 +13,7 @@
    candidate's lowest rank holding it wrote (TP rank 0 of its pipeline stage) is multiplied
    by ``1 + delta`` (in float64, cast back to the stored dtype), the shards are assembled
    exactly as :func:`tracer.check.compare` does, and each method (:data:`METHODS`) is asked
-   whether it flags the tensor. The smallest flagged ``delta`` in ``[1e-6, 1]`` is found by
+   whether it flags the tensor. The smallest flagged ``delta`` in ``[1e-8, 1]`` is found by
    bisection on a log scale (:func:`smallest_delta`). A method that flags the uncorrupted
    tensor is a false positive (``FP``).
 
@@ -71,10 +71,11 @@ __all__ = [
     "smallest_delta",
 ]
 
-METHODS = ("ours", "assert_close", "cosine", "max_abs", "depth", "depth_k0")
+METHODS = ("ours", "assert_close", "cosine", "max_abs", "depth", "depth_k0", "ours_norm")
 PEERS = METHODS[1:]
-FIXED_PEERS = PEERS[:4]   # the peers as published; depth_k0 is the depth rule with k set to zero FP
-DELTA_LO, DELTA_HI = 1e-6, 1.0
+FIXED_PEERS = PEERS[:4]   # the peers as published; depth_k0 is the depth rule with k set to zero FP,
+                          # ours_norm our norm statistic alone (without tracer.blockscale)
+DELTA_LO, DELTA_HI = 1e-8, 1.0
 COS_MIN, MAX_ABS = 0.99, 1e-3
 DEPTH_K, DEPTH_C = 4.0, 1.03
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
@@ -263,6 +264,9 @@ class Case:
         """Does ``method`` flag the tensor when the shard is scaled by ``1 + delta``?"""
         if method == "ours":
             return self.ours(delta).status != "ok"
+        if method == "ours_norm":
+            row = self.ours(delta)
+            return row.status in ("nonfinite", "replicas") or not row.error <= row.threshold
         full, _ = self.full(delta)
         ref = self.ref_t
         full = full if full.dtype == ref.dtype else full.to(ref.dtype)
@@ -641,7 +645,7 @@ TP=2 + SP + PP=2 candidate with the distributed optimizer on 4 gloo ranks
 (`examples.megatron_cpu.demo.trace_runs`). On the candidate's trace, the shard of one tensor
 written by one rank (TP rank 0 of the stage holding it) is multiplied by `1 + delta`
 (in float64, then cast back to the stored dtype), and for each method the smallest flagged
-`delta` in `[1e-6, 1]` is found by bisection on a log scale (to 1%). Every method sees the
+`delta` in `[1e-8, 1]` is found by bisection on a log scale (to 1%). Every method sees the
 same assembled full tensors (the candidate's shards assembled by `tracer.canonical.assemble`,
 as `tracer.check.compare` does) and the same reference tensor. "FP" means the method already
 flags the uncorrupted clean candidate (a false positive); `> 1` means it never flags up to
@@ -649,10 +653,15 @@ flags the uncorrupted clean candidate (a false positive); `> 1` means it never f
 
 ## Methods
 
-* **ours**: `tracer.check` on the tensor: `||cand - ref||_2 > T`, `T` from the reference's noise
-  samples (`tracer.thresholds.noise_threshold`), with the per-tensor false-alarm rate
-  `0.01 / N` of the whole clean comparison (`N` tensors); the clean verdict and threshold
-  are checked to be identical to those of `tracer.check.compare`.
+* **ours**: `tracer.check` on the tensor: flagged when the norm of the difference
+  `||cand - ref||_2` exceeds its threshold `T` or the block-scale statistic (the part of the
+  difference that rescales the reference block by block, `tracer.blockscale`) exceeds its
+  own; both thresholds from the reference's noise samples (`tracer.thresholds`), with the
+  per-tensor false-alarm rate `0.01 / N` of the whole clean comparison (`N` tensors) split
+  between the two; the clean verdict and threshold are checked to be identical to those of
+  `tracer.check.compare`.
+* **ours_norm**: the norm statistic alone (`||cand - ref||_2 > T`, as ours was before the
+  block-scale statistic), to show what the second statistic adds.
 * **assert_close**: `torch.testing.assert_close(cand, ref)` with its defaults for the stored
   dtype (bf16: rtol 1.6e-2, atol 1e-5; fp32: rtol 1.3e-6, atol 1e-5), elementwise
   `|cand - ref| <= atol + rtol |ref|`.
@@ -682,7 +691,7 @@ candidate's error/threshold for that tensor.
 Median of peer delta / our delta over the tensors where neither method is FP, (n) the number
 of such tensors, and the number of tensors on which the peer flags the clean candidate. A ratio
 marked `>=` is a lower bound (the peer never flags up to delta = 1), `<=` an upper bound (the
-peer flags already at delta = 1e-6, the lower end of the search); a median over bounds carries
+peer flags already at delta = 1e-8, the lower end of the search); a median over bounds carries
 the same mark (`~` when both kinds enter).
 
 {summary_table(results)}

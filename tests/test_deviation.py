@@ -94,11 +94,15 @@ def test_compare_reads_moments_as_it_reads_whole_samples(tmp_path):
         mom = rows["moments"][name]
         assert mom.status == whole.status
         assert mom.threshold == pytest.approx(whole.threshold, rel=1e-6, abs=0.0)
-    # what the moments trace holds: 3 float64 per floating tensor, integers whole
+        assert mom.scale_threshold == pytest.approx(whole.scale_threshold, rel=1e-6, abs=0.0, nan_ok=True)
+    assert rows["moments"]["a"].scale_threshold > 0 and rows["moments"]["b"].scale_threshold > 0
+    # what the moments trace holds: 3 moments and the block coordinates (4 x 4 blocks of
+    # [32, 16], 4 of [8]) in float64 per floating tensor, integers whole
     sample = TraceReader(tmp_path / "moments" / "ref" / "noise" / "sample_0")
     by_name = {e["name"]: e for e in sample.entries(0, 0)}
     assert by_name["a"][DEVIATION_FIELD] == {"dtype": "float32", "shape": [32, 16], "sample": 0}
-    assert (by_name["a"]["dtype"], by_name["a"]["shape"]) == ("float64", [3])
+    assert (by_name["a"]["dtype"], by_name["a"]["shape"]) == ("float64", [3 + 16])
+    assert by_name["b"]["shape"] == [3 + 4]
     assert DEVIATION_FIELD not in by_name["idx"] and by_name["idx"]["shape"] == [6]
 
 
@@ -151,7 +155,8 @@ def test_a_tensor_the_clean_step_did_not_trace_is_stored_whole(tmp_path):
     _trace(tmp_path / "s0", {"a": torch.full((3,), 2.0), "new": torch.ones(2), }, w)
     e = {e["name"]: e for e in TraceReader(tmp_path / "s0").entries(0, 0)}
     assert DEVIATION_FIELD in e["a"] and DEVIATION_FIELD not in e["new"]
-    assert TraceReader(tmp_path / "s0").load(0, 0, e["a"]["key"]).tolist() == [3.0, 3.0, 0.0]
+    # z = q = 3 (d = 1 everywhere), c = 0 (first sample), then one block per element: y_b = d r / |r| = 1
+    assert TraceReader(tmp_path / "s0").load(0, 0, e["a"]["key"]).tolist() == [3.0, 3.0, 0.0, 1.0, 1.0, 1.0]
 
 
 # ------------------------------------------------------------------ a real noise sampler

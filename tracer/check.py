@@ -8,9 +8,13 @@ and for every tensor both traced, in the reference's execution order:
    from the placements each rank wrote) and checks that replicated copies agree bitwise
    (they are computed from identical inputs by identical code on every rank);
 2. computes the error ``||cand - ref||_2`` (and the largest elementwise difference, with
-   the candidate rank that holds it) and the threshold from the noise samples;
-3. marks the tensor ``over`` when ``error > threshold``, ``nonfinite`` when the candidate
-   has NaN/Inf where the reference does not, ``replicas`` when copies disagree.
+   the candidate rank that holds it) and the threshold from the noise samples, and, on most
+   floating-point tensors, the block-scale statistic: the part of the difference that
+   rescales the reference block by block, which a wrong scale on one shard changes
+   (:mod:`tracer.blockscale`); each statistic gets half the tensor's false-alarm probability;
+3. marks the tensor ``over`` when either statistic exceeds its threshold (``ratio`` is the
+   larger of the two ratios), ``nonfinite`` when the candidate has NaN/Inf where the
+   reference does not, ``replicas`` when copies disagree.
 
 The *first divergence* is the first non-``ok`` tensor in the reference's execution order
 (step by step: forward and backward of each microbatch, then the grads each rank
@@ -33,9 +37,10 @@ import torch
 
 from tracer.canonical import Placement, assemble, shard
 from tracer.decisions import TOPK_CONSUMER_META, TOPK_META, ChoiceChange, choice_changes, without_choices
-from tracer.deviation import (DEVIATION_FIELD, DeviationOf, Key, SampleMoments, combined_moments, entry_key,
-                              storage_rounding_allowance, storage_rounding_excess, stored_rounded,
-                              work_dtype)
+from tracer.blockscale import block_scales
+from tracer.deviation import (DEVIATION_FIELD, DeviationOf, Key, SampleMoments, block_scale_applies,
+                              combined_moments, entry_key, storage_rounding_allowance, storage_rounding_excess,
+                              stored_rounded, work_dtype)
 from tracer.difference import difference_norms
 from tracer.errors import IncomparableRunsError, TraceError
 from tracer.store import TraceReader
@@ -62,13 +67,21 @@ class TensorCheck:
     status: str                # ok | over | nonfinite | replicas | unchecked
     error: float               # ||cand - ref||_2
     threshold: float
-    ratio: float               # error / threshold (inf when threshold is 0 and error > 0)
+    ratio: float               # the larger of error / threshold (inf when threshold is 0 and error > 0)
+                               # and scale_error / scale_threshold
     max_abs: float             # largest |cand - ref| element
     ref_norm: float
     n_eff: float = 0.0
     factor: float = 0.0
     worst_ranks: list[int] = field(default_factory=list)  # candidate ranks holding the worst element
     note: str = ""
+    scale_error: float = math.nan      # ||y|| of the block-scale statistic (tracer.blockscale); NaN: not tested
+    scale_threshold: float = math.nan  # its threshold
+
+    @property
+    def by_scale(self) -> bool:
+        """Is the block-scale statistic the one that sets :attr:`ratio`?"""
+        return self.scale_threshold > 0 and self.scale_error / self.scale_threshold >= self.ratio
 
     @property
     def label(self) -> str:
@@ -232,11 +245,27 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
     if not noisy:
         return TensorCheck(**base, status="unchecked", error=error, threshold=math.nan, ratio=math.nan,
                            max_abs=max_abs, ref_norm=ref_norm, note="no noise sample traced this tensor")
-    th = (moments_threshold(noisy.z, noisy.m_sq, false_alarm) if isinstance(noisy, SampleMoments)
-          else deviation_threshold([deviation()(n) for n in noisy], false_alarm))  # one converted sample at a time
+    # two statistics where the block-scale one applies, each at half the false-alarm probability
+    blocks = block_scale_applies(phase, ref_t) and (not isinstance(noisy, SampleMoments) or noisy.blocks is not None)
+    q = false_alarm / 2 if blocks else false_alarm
+    if isinstance(noisy, SampleMoments):
+        th, sample_blocks = moments_threshold(noisy.z, noisy.m_sq, q), noisy.blocks
+    else:
+        devs = [deviation()(n) for n in noisy]
+        th = deviation_threshold(devs, q)
+        sample_blocks = [block_scales(deviation().ref, d, work, deviation=True) for d in devs] if blocks else None
     if th.threshold == 0.0 and ref_t.is_floating_point():
         th = unmodelled_threshold(deviation().ref, ref_t.dtype)
+        sample_blocks = None  # no sample moved it: the norm statistic's ulp threshold decides alone
     ratio = error / th.threshold if th.threshold > 0 else (0.0 if error == 0 else math.inf)
+    scale_error, scale_threshold = math.nan, math.nan
+    if sample_blocks is not None:
+        scale_threshold = deviation_threshold(sample_blocks, q).threshold
+        if scale_threshold > 0:
+            y = (block_scales(ref_t, cand_t, work) if norms is not None
+                 else block_scales(deviation().ref, deviation().part(cand_t), work))
+            scale_error = float(torch.linalg.vector_norm(y))
+            ratio = max(ratio, scale_error / scale_threshold)
     status = "over" if ratio > 1 else "ok"
     note = "; ".join(notes)
     if notes:
@@ -247,7 +276,8 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
         worst = _worst_ranks(tuple(ref_t.shape), int((d.part(cand_t) - d.ref).abs().reshape(-1).argmax()),
                              cand_entries)
     return TensorCheck(**base, status=status, error=error, threshold=th.threshold, ratio=ratio, max_abs=max_abs,
-                       ref_norm=ref_norm, n_eff=th.n_eff, factor=th.factor, worst_ranks=worst, note=note)
+                       ref_norm=ref_norm, n_eff=th.n_eff, factor=th.factor, worst_ranks=worst, note=note,
+                       scale_error=scale_error, scale_threshold=scale_threshold)
 
 
 def _check_routed(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, cand_t: torch.Tensor,

@@ -23,9 +23,12 @@ trace stores, per tensor, the float64 triple
 
     \|m\|^2 = \sum_i \Big(\sum_s d_{s,i}^2\Big)^2 = \sum_s q_s + 2 \sum_s c_s .
 
-The threshold is the one of the whole samples up to rounding (the sums are float64), each
-sample's trace stays self-contained, and a comparison reads ``24 S`` bytes per tensor instead of
-``S`` tensors. :class:`MomentWriter` is that sample's writer.
+After the triple come, where the block-scale statistic applies (:func:`block_scale_applies`),
+the sample's block coordinates ``y_s`` (:func:`tracer.blockscale.block_scales`, at most 16 values),
+from which that statistic's threshold is computed as from whole samples. The thresholds are
+those of the whole samples up to rounding (the sums are float64), each sample's trace stays
+self-contained, and a comparison reads at most ``152 S`` bytes per tensor instead of ``S``
+tensors. :class:`MomentWriter` is that sample's writer.
 
 Stored whole, as before: the tensors the comparison needs elementwise, i.e. a module's top-k
 scores and the tensors that consume its choice (:mod:`tracer.decisions`), and the tensors the
@@ -43,12 +46,13 @@ from typing import Any
 
 import torch
 
+from tracer.blockscale import block_grid, block_scales
 from tracer.decisions import TOPK_CONSUMER_META, TOPK_META
 from tracer.errors import TraceError
 from tracer.store import TraceReader, TraceWriter
 
 __all__ = ["DEVIATION_FIELD", "DeviationOf", "Key", "MomentAccumulator", "MomentWriter", "SampleMoments",
-           "StorageRoundingExcess", "combined_moments", "entry_key", "storage_rounding_allowance",
+           "StorageRoundingExcess", "block_scale_applies", "combined_moments", "entry_key", "storage_rounding_allowance",
            "storage_rounding_excess", "stored_rounded", "work_dtype"]
 
 #: manifest entry field of a tensor stored as moments: ``{"dtype", "shape"}`` of the traced tensor and
@@ -78,6 +82,14 @@ def stored_rounded(phase: str, dtype: torch.dtype) -> bool:
     """A parameter after the update stored narrower than fp32: the rounding of an fp32 main
     parameter (where :func:`storage_rounding_excess` and its allowance apply)."""
     return phase == "param" and dtype in (torch.bfloat16, torch.float16)
+
+
+def block_scale_applies(phase: str, ref: torch.Tensor) -> bool:
+    """Is the block-scale statistic (:mod:`tracer.blockscale`) tested on this tensor? Floating
+    point, at least two blocks, and not compared by its storage-rounding excess (which is not
+    linear in the deviation)."""
+    b0, b1 = block_grid(tuple(ref.shape))
+    return ref.is_floating_point() and b0 * b1 >= 2 and not stored_rounded(phase, ref.dtype)
 
 
 def storage_rounding_excess(phase: str, dtype: torch.dtype, ref: torch.Tensor) -> StorageRoundingExcess | None:
@@ -237,10 +249,14 @@ class MomentWriter(TraceWriter):
             return entry, copy  # nothing to subtract: stored whole
         ref = reader.load(step, 0, clean["key"])
         work = work_dtype(ref.dtype, copy.dtype)
-        d = DeviationOf(ref.to(work), ref.dtype, entry["phase"])(copy)
+        dev = DeviationOf(ref.to(work), ref.dtype, entry["phase"])
+        d = dev(copy)
+        values = self.acc.moments(key, d)
+        if block_scale_applies(entry["phase"], ref):
+            values = torch.cat([values, block_scales(dev.ref, d, work, deviation=True)])
         of = {"dtype": entry["dtype"], "shape": entry["shape"], "sample": self.sample}
-        stored = dict(entry, dtype="float64", shape=[3], **{DEVIATION_FIELD: of})
-        return stored, self.acc.moments(key, d)
+        stored = dict(entry, dtype="float64", shape=[values.numel()], **{DEVIATION_FIELD: of})
+        return stored, values
 
 
 @dataclass(frozen=True)
@@ -249,6 +265,7 @@ class SampleMoments:
 
     z: list[float]   # ||d_s||^2 per sample
     m_sq: float      # ||sum_s d_s^2||^2
+    blocks: list[torch.Tensor] | None = None  # block coordinates y_s per sample (tracer.blockscale), if stored
 
 
 def combined_moments(entries: list[dict[str, Any]], stored: list[torch.Tensor], ref_entry: dict[str, Any],
@@ -267,5 +284,11 @@ def combined_moments(entries: list[dict[str, Any]], stored: list[torch.Tensor], 
         raise TraceError(f"noise samples stored as moments must be used as a whole set 0..S-1, got samples "
                          f"{sorted(int(o.get('sample', -1)) for o in of)}: pass all of them (or none)",
                          path=where, step=step, tensor=name)
-    zqc = [stored[i].tolist() for i in order]
-    return SampleMoments([z for z, _, _ in zqc], math.fsum(q for _, q, _ in zqc) + 2 * math.fsum(c for _, _, c in zqc))
+    if len({int(t.numel()) for t in stored}) != 1 or int(stored[0].numel()) < 3:
+        raise TraceError(f"noise samples stored as moments hold {[int(t.numel()) for t in stored]} values: expected "
+                         "3 moments and the same block coordinates in every sample (a corrupt or mixed set)",
+                         path=where, step=step, tensor=name)
+    zqc = [stored[i][:3].tolist() for i in order]
+    blocks = [stored[i][3:] for i in order] if stored[0].numel() > 3 else None
+    return SampleMoments([z for z, _, _ in zqc], math.fsum(q for _, q, _ in zqc) + 2 * math.fsum(c for _, _, c in zqc),
+                         blocks)

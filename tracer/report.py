@@ -39,8 +39,11 @@ def summary(c: Comparison, top: int = 5) -> str:
         where = f"candidate rank(s) {f.worst_ranks}" if f.worst_ranks else "all ranks"
         lines += [f"first divergence: step {f.step}, phase {f.phase}, tensor {f.name}"
                   + (f" (microbatch {f.microbatch})" if f.phase in ("fwd", "bwd", "loss") else ""),
-                  f"  module {f.module or '-'}; error {f.error:.4g} vs threshold {f.threshold:.4g} "
-                  f"= {_fmt_ratio(f.ratio)}x over ({f.status}); max |diff| {f.max_abs:.3g} on {where}",
+                  f"  module {f.module or '-'}; " + (
+                      f"block-scale statistic {f.scale_error:.4g} vs threshold {f.scale_threshold:.4g} (a difference "
+                      f"that rescales the reference; norm of the difference {f.error:.4g} vs {f.threshold:.4g})"
+                      if f.by_scale else f"error {f.error:.4g} vs threshold {f.threshold:.4g}")
+                  + f" = {_fmt_ratio(f.ratio)}x over ({f.status}); max |diff| {f.max_abs:.3g} on {where}",
                   f"  {f.note}" if f.note else "",
                   f"localisation: {c.localisation}"]
         worst = sorted((r for r in c.rows if r.status != "ok"), key=lambda r: -r.ratio if not math.isnan(r.ratio) else 0)
