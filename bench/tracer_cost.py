@@ -217,6 +217,8 @@ PROFILE_PARTS = (
     ("unmodelled_threshold", "tracer/thresholds.py", "unmodelled_threshold"),
     ("storage-rounding excess (bf16 params)", "tracer/deviation.py", "_far"),
     ("difference norms, chunk by chunk", "tracer/difference.py", "difference_norms"),
+    ("block-scale coordinates (block_scales)", "tracer/blockscale.py", "block_scales"),
+    ("block-scale threshold (deviation_threshold)", "tracer/thresholds.py", "deviation_threshold"),
     ("worst ranks (_worst_ranks)", "tracer/check.py", "_worst_ranks"),
 )
 

@@ -4,7 +4,8 @@ A bf16 transformer block is the reference module. Three candidates:
 * a wrong module (fc2 weight off by 2^-5) on the reference's inputs -> "module is wrong";
 * the correct module on inputs that already differ (a propagated difference) -> "right";
 * a legitimately different computation (fc2's reduction split in two bf16 partials, as a
-  TP=2 row-parallel linear computes it) -> "right", with the TP noise policy.
+  TP=2 row-parallel linear computes it) -> "right", with the TP noise policy;
+* half of the output rescaled by 1 + 2^-7 -> "wrong", by the block-scale statistic.
 """
 from __future__ import annotations
 
@@ -58,6 +59,18 @@ def test_legitimate_split_reduction_is_within_threshold():
     v = rerun_module(block, "block", [x], {}, y_c, policy=noise_policy(2, "bf16"))
     assert not v.module_is_wrong, v
     assert 0 < v.ratio < 1
+
+
+def test_a_rescaled_half_of_the_output_is_blamed_by_the_block_scale_statistic():
+    """Half the output's columns scaled by 1 + 2^-7: inside the norm's threshold, over the
+    block-scale statistic's (as tracer.check would have flagged it)."""
+    block, x = _block()
+    with torch.no_grad():
+        y_c = block(x)
+        y_c[:, :32] = (y_c[:, :32].double() * (1 + 2.0 ** -7)).bfloat16()
+    v = rerun_module(block, "block", [x], {}, y_c, policy=noise_policy(2, "bf16"))
+    assert v.local_error < v.threshold and v.scale_error > 1.5 * v.scale_threshold, v
+    assert v.module_is_wrong and "block-scale statistic" in str(v)
 
 
 def test_split_inputs_rebuilds_the_call():

@@ -12,17 +12,23 @@ one in an untraced input).
 The threshold of the local difference is derived like every other threshold
 (:mod:`tracer.thresholds`): the module is re-run ``samples`` times on the same inputs under
 :class:`ttrace_num.propagate.noise.NoiseInjector` (forward only), and the F-test factor is
-applied to the samples' deviations.
+applied to the samples' deviations. As in :func:`tracer.check.compare`, the block-scale
+statistic (:mod:`tracer.blockscale`) is tested beside the norm, each at half the false-alarm
+probability, so that a module the comparison flagged for a rescaled output is judged by the
+same statistic here.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from tracer.thresholds import DEFAULT_FALSE_ALARM, noise_threshold, unmodelled_threshold
+from tracer.blockscale import block_scales
+from tracer.deviation import block_scale_applies
+from tracer.thresholds import DEFAULT_FALSE_ALARM, deviation_threshold, noise_threshold, unmodelled_threshold
 
 __all__ = ["LocalVerdict", "rerun_module", "split_inputs"]
 
@@ -34,14 +40,18 @@ class LocalVerdict:
     module: str
     local_error: float      # ||f_c(x_c) - f_r(x_c)||_2
     threshold: float
-    ratio: float
+    ratio: float            # the larger of local_error / threshold and scale_error / scale_threshold
     module_is_wrong: bool
+    scale_error: float = math.nan       # block-scale statistic of the local difference (NaN: not tested)
+    scale_threshold: float = math.nan
 
     def __str__(self) -> str:
         what = ("the module itself is wrong" if self.module_is_wrong else
                 "the module is right on the candidate's inputs: the divergence is propagated")
+        scale = (f"; block-scale statistic {self.scale_error:.4g} vs {self.scale_threshold:.4g}"
+                 if self.scale_threshold > 0 else "")
         return (f"re-run of {self.module} on the candidate's inputs: local difference {self.local_error:.4g} "
-                f"vs threshold {self.threshold:.4g} ({self.ratio:.3g}x): {what}")
+                f"vs threshold {self.threshold:.4g}{scale} ({self.ratio:.3g}x): {what}")
 
 
 def split_inputs(records: dict[str, torch.Tensor], module: str) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
@@ -87,9 +97,18 @@ def rerun_module(module: nn.Module, name: str, args: list[torch.Tensor], kwargs:
                                 **{"mode": "probabilistic", **injector_kwargs})
             with inj:
                 noisy.append(_first_tensor(module(*args, **kwargs)).detach().double())
-    th = noise_threshold(clean, noisy, false_alarm)
+    blocks = block_scale_applies("fwd", clean)
+    q = false_alarm / 2 if blocks else false_alarm
+    th = noise_threshold(clean, noisy, q)
     if th.threshold == 0.0:
-        th = unmodelled_threshold(clean, candidate_output.dtype)
-    err = float(torch.linalg.vector_norm(candidate_output.double() - clean))
+        th, blocks = unmodelled_threshold(clean, candidate_output.dtype), False
+    cand = candidate_output.double()
+    err = float(torch.linalg.vector_norm(cand - clean))
     ratio = err / th.threshold if th.threshold > 0 else (0.0 if err == 0 else float("inf"))
-    return LocalVerdict(name, err, th.threshold, ratio, ratio > 1)
+    scale_error = scale_threshold = math.nan
+    if blocks:
+        scale_threshold = deviation_threshold([block_scales(clean, n, torch.float64) for n in noisy], q).threshold
+        scale_error = float(torch.linalg.vector_norm(block_scales(clean, cand, torch.float64)))
+        if scale_threshold > 0:
+            ratio = max(ratio, scale_error / scale_threshold)
+    return LocalVerdict(name, err, th.threshold, ratio, ratio > 1, scale_error, scale_threshold)

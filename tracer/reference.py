@@ -13,8 +13,9 @@ The state of a step (model parameters and buffers, the optimizer's parameters --
 parameters of a mixed-precision optimizer -- and its state, e.g. Adam's moments) is
 snapshotted and restored bit for bit around the samples. Cost: ``S`` extra steps per step,
 plus ``S + 1`` copies of the model and optimizer state in memory. By default a sample's trace
-stores, per tensor, the three moments of its deviation from the clean step that the threshold
-needs instead of the tensor (:mod:`tracer.deviation`: 24 bytes per tensor, one float64 copy of
+stores, per tensor, the three moments of its deviation from the clean step and its block
+coordinates that the thresholds need instead of the tensor (:mod:`tracer.deviation`: at most
+152 bytes per tensor, one float64 copy of
 a step's traced tensors in memory while its samples run). The samples of a step share
 their noise amplitudes (:mod:`ttrace_num.propagate.memo`): the first sample computes each op's
 local bound, the others reuse it where their operands match (and recompute only the rows of a
