@@ -97,9 +97,9 @@ def test_false_alarm_rate_under_the_model():
     assert 0.005 <= over / 1500 <= 0.05
 
 
-def _row(ref, cand, noisy, false_alarm=1e-4):
+def _row(ref, cand, noisy, false_alarm=1e-4, block_scale=True):
     ref_e = {"index": 0, "meta": {}, "dtype": "float64"}
-    return _check_one(0, ("fwd", "t", 0, 0), ref_e, ref, cand, [], noisy, false_alarm, {})
+    return _check_one(0, ("fwd", "t", 0, 0), ref_e, ref, cand, [], noisy, false_alarm, {}, block_scale=block_scale)
 
 
 def test_the_check_flags_a_scaled_shard_the_norm_misses():
@@ -132,6 +132,10 @@ def test_each_statistic_gets_half_the_false_alarm_probability():
     assert row.threshold == pytest.approx(th.threshold, rel=1e-12)
     blocks = deviation_threshold([block_scales(ref, n, torch.float64) for n in noisy], 0.5e-4)
     assert row.scale_threshold == pytest.approx(blocks.threshold, rel=1e-12)
+    # off by default: the norm statistic alone, at the whole probability
+    alone = _row(ref, cand, noisy, 1e-4, block_scale=False)
+    assert math.isnan(alone.scale_threshold)
+    assert alone.threshold == pytest.approx(deviation_threshold([n - ref for n in noisy], 1e-4).threshold, rel=1e-12)
     # a scalar gets the norm statistic alone, at the whole probability
     one = _row(ref[:1, :1], cand[:1, :1], [n[:1, :1] for n in noisy], 1e-4)
     assert math.isnan(one.scale_threshold)

@@ -88,7 +88,7 @@ def test_compare_reads_moments_as_it_reads_whole_samples(tmp_path):
     rows = {}
     for store in ("moments", "tensors"):
         ref, cand = _runs(tmp_path, store)
-        rows[store] = {r.name: r for r in compare(ref, cand).rows}
+        rows[store] = {r.name: r for r in compare(ref, cand, block_scale=True).rows}
     assert set(rows["moments"]) == {"a", "b", "idx"}
     for name, whole in rows["tensors"].items():
         mom = rows["moments"][name]

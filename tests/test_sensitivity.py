@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from bench.sensitivity import (
+    DELTA_LO,
     corrupt_shard,
     depth_bound,
     flag_assert_close,
@@ -32,7 +33,7 @@ def test_smallest_delta_finds_threshold_within_tolerance() -> None:
 
 
 def test_smallest_delta_edges() -> None:
-    assert smallest_delta(lambda d: True) == 1e-6          # flagged at the lower end: "<= 1e-6"
+    assert smallest_delta(lambda d: True) == DELTA_LO      # flagged at the lower end: "<= 1e-8"
     assert math.isinf(smallest_delta(lambda d: False))      # never flagged up to 1
 
 
@@ -101,7 +102,7 @@ def test_ratio_bounds_and_median() -> None:
 
     assert ratio_bound(res(0.01, 0.1), "cosine") == pytest.approx((10.0, "="))
     assert ratio_bound(res(0.01, math.inf), "cosine") == pytest.approx((100.0, ">="))
-    assert ratio_bound(res(0.01, 1e-6), "cosine")[1] == "<="
+    assert ratio_bound(res(0.01, DELTA_LO), "cosine")[1] == "<="
     assert ratio_bound(res(0.01, 0.1, fp=True), "cosine") is None
     med, n, fps = median_ratio([res(0.01, 0.1), res(0.01, 0.3), res(0.01, 0.2, fp=True)], "cosine")
     assert (med, n, fps) == ("20", 2, 1)

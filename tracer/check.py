@@ -8,12 +8,13 @@ and for every tensor both traced, in the reference's execution order:
    from the placements each rank wrote) and checks that replicated copies agree bitwise
    (they are computed from identical inputs by identical code on every rank);
 2. computes the error ``||cand - ref||_2`` (and the largest elementwise difference, with
-   the candidate rank that holds it) and the threshold from the noise samples, and, on most
-   floating-point tensors, the block-scale statistic: the part of the difference that
-   rescales the reference block by block, which a wrong scale on one shard changes
-   (:mod:`tracer.blockscale`); each statistic gets half the tensor's false-alarm probability;
-3. marks the tensor ``over`` when either statistic exceeds its threshold (``ratio`` is the
-   larger of the two ratios), ``nonfinite`` when the candidate has NaN/Inf where the
+   the candidate rank that holds it) and the threshold from the noise samples, and, opt-in
+   (``block_scale=True``), on most floating-point tensors the block-scale statistic: the
+   part of the difference that rescales the reference block by block, which a wrong scale on
+   one shard changes (:mod:`tracer.blockscale`); each statistic then gets half the tensor's
+   false-alarm probability;
+3. marks the tensor ``over`` when a statistic exceeds its threshold (``ratio`` is the
+   larger of the ratios), ``nonfinite`` when the candidate has NaN/Inf where the
    reference does not, ``replicas`` when copies disagree.
 
 The *first divergence* is the first non-``ok`` tensor in the reference's execution order
@@ -188,7 +189,8 @@ def _max_abs(x: torch.Tensor) -> float:
 
 def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, cand_t: torch.Tensor,
                notes: list[str], noisy: "list[torch.Tensor] | SampleMoments", false_alarm: float,
-               cand_entries: dict[int, dict[str, Any]], work: torch.dtype | None = None) -> TensorCheck:
+               cand_entries: dict[int, dict[str, Any]], work: torch.dtype | None = None, *,
+               block_scale: bool = False) -> TensorCheck:
     """The verdict on one tensor (module doc); ``noisy``: the noise samples, whole or as their
     moments (:mod:`tracer.deviation`).
 
@@ -205,7 +207,8 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
                            note=f"shape {list(cand_t.shape)} in the candidate vs {list(ref_t.shape)} in the "
                                 "reference (a wrong placement or a wrong computation)")
     if work is None and work_dtype(ref_t.dtype, cand_t.dtype) == torch.float32:
-        row = _check_one(step, key, ref_e, ref_t, cand_t, notes, noisy, false_alarm, cand_entries, torch.float32)
+        row = _check_one(step, key, ref_e, ref_t, cand_t, notes, noisy, false_alarm, cand_entries, torch.float32,
+                         block_scale=block_scale)
         if row.status == "nonfinite" or not any(map(math.isinf, (row.error, row.threshold, row.ref_norm))):
             return row  # else a float32 overflow: again in float64
     work = torch.float64 if work is None else work
@@ -245,8 +248,9 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
     if not noisy:
         return TensorCheck(**base, status="unchecked", error=error, threshold=math.nan, ratio=math.nan,
                            max_abs=max_abs, ref_norm=ref_norm, note="no noise sample traced this tensor")
-    # two statistics where the block-scale one applies, each at half the false-alarm probability
-    blocks = block_scale_applies(phase, ref_t) and (not isinstance(noisy, SampleMoments) or noisy.blocks is not None)
+    # with block_scale, two statistics where the block-scale one applies, each at half the false-alarm probability
+    blocks = block_scale and block_scale_applies(phase, ref_t) and (not isinstance(noisy, SampleMoments)
+                                                                    or noisy.blocks is not None)
     q = false_alarm / 2 if blocks else false_alarm
     if isinstance(noisy, SampleMoments):
         th, sample_blocks = moments_threshold(noisy.z, noisy.m_sq, q), noisy.blocks
@@ -283,7 +287,7 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
 def _check_routed(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, cand_t: torch.Tensor,
                   notes: list[str], noisy: "list[torch.Tensor] | SampleMoments", false_alarm: float,
                   cand_entries: dict[int, dict[str, Any]],
-                  changed: dict[tuple[int, str, int, int], ChoiceChange]) -> TensorCheck:
+                  changed: dict[tuple[int, str, int, int], ChoiceChange], block_scale: bool = False) -> TensorCheck:
     """:func:`_check_one` with top-k choices (:mod:`tracer.decisions`): a module's scores,
     when within threshold, record in ``changed`` which tokens' choices differ; the scores'
     gradient and the tensors that consume the choice leave those tokens out (a consumer
@@ -297,18 +301,20 @@ def _check_routed(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tenso
         if _fits(change.left_out, ref_t):
             mask = change.left_out
             row = _check_one(step, key, ref_e, without_choices(ref_t, mask), without_choices(cand_t, mask), notes,
-                             [without_choices(n, mask) for n in noisy], false_alarm, cand_entries)
+                             [without_choices(n, mask) for n in noisy], false_alarm, cand_entries,
+                             block_scale=block_scale)
             row.note = "; ".join(x for x in (row.note, f"{int(mask.sum())} token(s) left out: their top-k choice "
                                                        "legitimately differs (tracer.decisions)") if x)
             return row
         if change.in_candidate:
-            row = _check_one(step, key, ref_e, ref_t, cand_t, notes, noisy, false_alarm, cand_entries)
+            row = _check_one(step, key, ref_e, ref_t, cand_t, notes, noisy, false_alarm, cand_entries,
+                             block_scale=block_scale)
             if row.status in ("ok", "over"):
                 _not_compared(row, f"it depends on the top-k choice of {scores_of}, which legitimately differs on "
                                    f"{change.in_candidate} token(s) of this microbatch, and has no token rows to "
                                    "leave them out")
             return row
-    row = _check_one(step, key, ref_e, ref_t, cand_t, notes, noisy, false_alarm, cand_entries)
+    row = _check_one(step, key, ref_e, ref_t, cand_t, notes, noisy, false_alarm, cand_entries, block_scale=block_scale)
     topk = meta.get(TOPK_META)
     if topk and key[0] == "fwd" and row.status == "ok" and noisy:
         change = choice_changes(ref_t, cand_t, noisy, topk["k"], topk["dim"])
@@ -433,13 +439,15 @@ def _noise_samples(readers: list[TraceReader], entries: list[dict[str, Any] | No
 
 def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str | Path] | None = None,
             steps: Iterable[int] | None = None, false_alarm: float = DEFAULT_FALSE_ALARM,
-            progress: bool = False) -> Comparison:
+            progress: bool = False, block_scale: bool = False) -> Comparison:
     """Check ``candidate`` against ``reference`` (trace directories); see the module docstring.
 
     ``noise``: noise-sample trace directories (default: ``reference/noise/sample_*``).
     ``false_alarm``: the probability, under the thresholds' conservative equal-variance
     model, that a correct candidate has any tensor over its threshold in this comparison
     (each of the ``N`` tensors gets ``false_alarm / N``, Bonferroni).
+    ``block_scale``: also test the block-scale statistic (:mod:`tracer.blockscale`; opt-in,
+    see its "Known false positive"), each statistic at half a tensor's false-alarm probability.
     Raises :class:`~tracer.errors.IncomparableRunsError` when the traces are of different
     models or share no step, and :class:`~tracer.errors.TraceError` (naming file, rank,
     step and tensor) for missing ranks and corrupt files. NaN/Inf are findings (status
@@ -487,7 +495,8 @@ def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str
         else:
             cand_t, notes = _full(cand, s, cand_entries, k[1])
             rows.append(_downstream_of_choices(
-                _check_routed(s, k, ref_e, ref_t, cand_t, notes, noisy, per_tensor, cand_entries, changed),
+                _check_routed(s, k, ref_e, ref_t, cand_t, notes, noisy, per_tensor, cand_entries, changed,
+                              block_scale),
                 ref_e["meta"], changed))
         if bar is not None:
             bar.update(1)

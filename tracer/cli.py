@@ -24,7 +24,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from tracer.report import plot, summary, write_json
     try:
         c = compare(args.reference, args.candidate, noise=args.noise or None, false_alarm=args.false_alarm,
-                    steps=args.step or None, progress=sys.stderr.isatty())
+                    steps=args.step or None, progress=sys.stderr.isatty(), block_scale=args.block_scale)
     except TraceError as e:
         print(f"ttrace compare: {e}", file=sys.stderr)
         return 2
@@ -57,6 +57,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--step", action="append", type=int, help="compare only this step (repeatable)")
     c.add_argument("--false-alarm", type=float, default=1e-2,
                    help="false-alarm probability of the whole comparison, split over its tensors (default 0.01)")
+    c.add_argument("--block-scale", action="store_true",
+                   help="also test the block-scale statistic (tracer/blockscale.py): several times more sensitive "
+                        "to a wrongly scaled shard, but it can flag a systematic round-off bias that the noise "
+                        "samples do not model (docs/tracing.md)")
     c.add_argument("--report", metavar="PATH", help="report path without suffix (default CAND/ttrace_report)")
     c.add_argument("--top", type=int, default=5, help="how many of the worst tensors to list")
     c.add_argument("--no-plot", action="store_true")

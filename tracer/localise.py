@@ -12,10 +12,10 @@ one in an untraced input).
 The threshold of the local difference is derived like every other threshold
 (:mod:`tracer.thresholds`): the module is re-run ``samples`` times on the same inputs under
 :class:`ttrace_num.propagate.noise.NoiseInjector` (forward only), and the F-test factor is
-applied to the samples' deviations. As in :func:`tracer.check.compare`, the block-scale
-statistic (:mod:`tracer.blockscale`) is tested beside the norm, each at half the false-alarm
-probability, so that a module the comparison flagged for a rescaled output is judged by the
-same statistic here.
+applied to the samples' deviations. With ``block_scale``, as in :func:`tracer.check.compare`,
+the block-scale statistic (:mod:`tracer.blockscale`) is tested beside the norm, each at half
+the false-alarm probability, so that a module a comparison flagged for a rescaled output is
+judged by the same statistic here.
 """
 from __future__ import annotations
 
@@ -84,7 +84,8 @@ def _first_tensor(out: Any) -> torch.Tensor:
 
 def rerun_module(module: nn.Module, name: str, args: list[torch.Tensor], kwargs: dict[str, torch.Tensor],
                  candidate_output: torch.Tensor, *, samples: int = 4, seed: int = 0,
-                 false_alarm: float = DEFAULT_FALSE_ALARM, **injector_kwargs: Any) -> LocalVerdict:
+                 false_alarm: float = DEFAULT_FALSE_ALARM, block_scale: bool = False,
+                 **injector_kwargs: Any) -> LocalVerdict:
     """Re-run the reference's ``module`` on the candidate's inputs and judge the candidate's
     output ``candidate_output`` (the module's first output, assembled); see the module doc.
     ``injector_kwargs`` describe the two runs' computation models (e.g. the TP policy)."""
@@ -97,7 +98,7 @@ def rerun_module(module: nn.Module, name: str, args: list[torch.Tensor], kwargs:
                                 **{"mode": "probabilistic", **injector_kwargs})
             with inj:
                 noisy.append(_first_tensor(module(*args, **kwargs)).detach().double())
-    blocks = block_scale_applies("fwd", clean)
+    blocks = block_scale and block_scale_applies("fwd", clean)
     q = false_alarm / 2 if blocks else false_alarm
     th = noise_threshold(clean, noisy, q)
     if th.threshold == 0.0:
