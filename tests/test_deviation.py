@@ -96,6 +96,10 @@ def test_compare_reads_moments_as_it_reads_whole_samples(tmp_path):
         assert mom.threshold == pytest.approx(whole.threshold, rel=1e-6, abs=0.0)
         assert mom.scale_threshold == pytest.approx(whole.scale_threshold, rel=1e-6, abs=0.0, nan_ok=True)
     assert rows["moments"]["a"].scale_threshold > 0 and rows["moments"]["b"].scale_threshold > 0
+    # off by default, also when the samples stored their block coordinates: the norm alone
+    default = {r.name: r for r in compare(tmp_path / "moments" / "ref", tmp_path / "moments" / "cand").rows}
+    assert math.isnan(default["a"].scale_threshold) and math.isnan(default["a"].scale_error)
+    assert default["a"].ratio == default["a"].error / default["a"].threshold
     # what the moments trace holds: 3 moments and the block coordinates (4 x 4 blocks of
     # [32, 16], 4 of [8]) in float64 per floating tensor, integers whole
     sample = TraceReader(tmp_path / "moments" / "ref" / "noise" / "sample_0")

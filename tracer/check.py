@@ -253,7 +253,7 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
                                                                     or noisy.blocks is not None)
     q = false_alarm / 2 if blocks else false_alarm
     if isinstance(noisy, SampleMoments):
-        th, sample_blocks = moments_threshold(noisy.z, noisy.m_sq, q), noisy.blocks
+        th, sample_blocks = moments_threshold(noisy.z, noisy.m_sq, q), (noisy.blocks if blocks else None)
     else:
         devs = [deviation()(n) for n in noisy]
         th = deviation_threshold(devs, q)
