@@ -63,10 +63,13 @@ only (:func:`tracer.deviation.block_scale_applies`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
-__all__ = ["BLOCKS_PER_DIM", "block_grid", "block_scales"]
+from tracer.thresholds import deviation_threshold
+
+__all__ = ["BLOCKS_PER_DIM", "block_grid", "block_scales", "scale_test"]
 
 #: blocks along the first and along the last dimension of a tensor (module doc, "Choice of the grid")
 BLOCKS_PER_DIM = 4
@@ -114,3 +117,15 @@ def block_scales(ref: torch.Tensor, x: torch.Tensor, work: torch.dtype, *, devia
     power = torch.zeros(b0, b1, dtype=torch.float64).index_add_(1, col_block, power)
     y = torch.where(power > 0, cross / power.clamp_min(math.ulp(0.0)).sqrt(), torch.zeros_like(cross))
     return y.reshape(-1)
+
+
+def scale_test(sample_coordinates: list[torch.Tensor], coordinates: Callable[[], torch.Tensor],
+               false_alarm: float) -> tuple[float, float]:
+    """``(||y||, T)`` of the block-scale statistic: ``T`` from the noise samples' coordinates
+    (:func:`~tracer.thresholds.deviation_threshold` at per-tensor probability ``false_alarm``),
+    ``y = coordinates()`` of the tested tensor, computed only when ``T > 0`` (else ``||y||`` is
+    NaN: no sample moved the tensor along the reference, the norm statistic decides alone)."""
+    threshold = deviation_threshold(sample_coordinates, false_alarm).threshold
+    if threshold <= 0:
+        return math.nan, threshold
+    return float(torch.linalg.vector_norm(coordinates())), threshold

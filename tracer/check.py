@@ -38,7 +38,7 @@ import torch
 
 from tracer.canonical import Placement, assemble, shard
 from tracer.decisions import TOPK_CONSUMER_META, TOPK_META, ChoiceChange, choice_changes, without_choices
-from tracer.blockscale import block_scales
+from tracer.blockscale import block_scales, scale_test
 from tracer.deviation import (DEVIATION_FIELD, DeviationOf, Key, SampleMoments, block_scale_applies,
                               combined_moments, entry_key, storage_rounding_allowance, storage_rounding_excess,
                               stored_rounded, work_dtype)
@@ -264,11 +264,10 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
     ratio = error / th.threshold if th.threshold > 0 else (0.0 if error == 0 else math.inf)
     scale_error, scale_threshold = math.nan, math.nan
     if sample_blocks is not None:
-        scale_threshold = deviation_threshold(sample_blocks, q).threshold
+        scale_error, scale_threshold = scale_test(
+            sample_blocks, lambda: (block_scales(ref_t, cand_t, work) if norms is not None
+                                    else block_scales(deviation().ref, deviation().part(cand_t), work)), q)
         if scale_threshold > 0:
-            y = (block_scales(ref_t, cand_t, work) if norms is not None
-                 else block_scales(deviation().ref, deviation().part(cand_t), work))
-            scale_error = float(torch.linalg.vector_norm(y))
             ratio = max(ratio, scale_error / scale_threshold)
     status = "over" if ratio > 1 else "ok"
     note = "; ".join(notes)

@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tracer.blockscale import block_scales
+from tracer.blockscale import block_scales, scale_test
 from tracer.deviation import block_scale_applies
-from tracer.thresholds import DEFAULT_FALSE_ALARM, deviation_threshold, noise_threshold, unmodelled_threshold
+from tracer.thresholds import DEFAULT_FALSE_ALARM, noise_threshold, unmodelled_threshold
 
 __all__ = ["LocalVerdict", "rerun_module", "split_inputs"]
 
@@ -108,8 +108,8 @@ def rerun_module(module: nn.Module, name: str, args: list[torch.Tensor], kwargs:
     ratio = err / th.threshold if th.threshold > 0 else (0.0 if err == 0 else float("inf"))
     scale_error = scale_threshold = math.nan
     if blocks:
-        scale_threshold = deviation_threshold([block_scales(clean, n, torch.float64) for n in noisy], q).threshold
-        scale_error = float(torch.linalg.vector_norm(block_scales(clean, cand, torch.float64)))
+        scale_error, scale_threshold = scale_test([block_scales(clean, n, torch.float64) for n in noisy],
+                                                  lambda: block_scales(clean, cand, torch.float64), q)
         if scale_threshold > 0:
             ratio = max(ratio, scale_error / scale_threshold)
     return LocalVerdict(name, err, th.threshold, ratio, ratio > 1, scale_error, scale_threshold)
