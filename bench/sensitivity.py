@@ -71,10 +71,10 @@ __all__ = [
     "smallest_delta",
 ]
 
-METHODS = ("ours", "assert_close", "cosine", "max_abs", "depth", "depth_k0", "ours_block")
+METHODS = ("ours", "assert_close", "cosine", "max_abs", "depth", "depth_k0", "ours_norm")
 PEERS = METHODS[1:]
 FIXED_PEERS = PEERS[:4]   # the peers as published; depth_k0 is the depth rule with k set to zero FP,
-                          # ours_block ours with the opt-in block-scale statistic (tracer.blockscale)
+                          # ours_norm ours without the block-scale statistic (compare(block_scale=False))
 DELTA_LO, DELTA_HI = 1e-8, 1.0
 COS_MIN, MAX_ABS = 0.99, 1e-3
 DEPTH_K, DEPTH_C = 4.0, 1.03
@@ -252,7 +252,7 @@ class Case:
         notes = [f"replicas over {d.group} differ" for d in report.replicas if not d.equal]
         return full, notes
 
-    def ours(self, delta: float, block_scale: bool = False):
+    def ours(self, delta: float, block_scale: bool = True):
         """Our verdict (a :class:`tracer.check.TensorCheck`) on the corrupted candidate."""
         from tracer.check import _check_one
         full, notes = self.full(delta)
@@ -264,8 +264,8 @@ class Case:
         """Does ``method`` flag the tensor when the shard is scaled by ``1 + delta``?"""
         if method == "ours":
             return self.ours(delta).status != "ok"
-        if method == "ours_block":
-            return self.ours(delta, block_scale=True).status != "ok"
+        if method == "ours_norm":
+            return self.ours(delta, block_scale=False).status != "ok"
         full, _ = self.full(delta)
         ref = self.ref_t
         full = full if full.dtype == ref.dtype else full.to(ref.dtype)
@@ -324,7 +324,7 @@ class Result:
         return max(self.cast_floor, self.legit_scale) if math.isfinite(self.legit_scale) else self.cast_floor
 
     def ratio(self, peer: str, base: str = "ours") -> float | None:
-        """peer delta / our delta (``base``: ours or ours_block; None when either flags the clean tensor)."""
+        """peer delta / our delta (``base``: ours or ours_norm; None when either flags the clean tensor)."""
         if self.clean.get(peer) or self.clean.get(base):
             return None
         return self.delta[peer] / self.delta[base]
@@ -653,14 +653,14 @@ flags the uncorrupted clean candidate (a false positive); `> 1` means it never f
 ## Methods
 
 * **ours**: `tracer.check` on the tensor, as `tracer.check.compare` runs by default:
-  `||cand - ref||_2 > T`, `T` from the reference's noise samples (`tracer.thresholds`), with
-  the per-tensor false-alarm rate `0.01 / N` of the whole clean comparison (`N` tensors); the
-  clean verdict and threshold are checked to be identical to those of `tracer.check.compare`.
-* **ours_block**: ours with the opt-in block-scale statistic (`compare(block_scale=True)`,
-  `tracer/blockscale.py`): also flagged when the difference's coordinates along the reference
-  on 4 x 4 blocks exceed their own threshold from the samples' coordinates, each statistic at
-  half the false-alarm rate. Opt-in because it flags a clean candidate of the cost bench's
-  larger model (docs/tracing.md, "A second statistic").
+  flagged when `||cand - ref||_2 > T`, `T` from the reference's noise samples
+  (`tracer.thresholds`), or when the difference's coordinates along the reference on 4 x 4
+  blocks exceed their own threshold from the samples' coordinates (the block-scale
+  statistic, `tracer/blockscale.py`), each statistic at half the per-tensor false-alarm rate
+  `0.01 / N` of the whole clean comparison (`N` tensors); the clean verdict and threshold are
+  checked to be identical to those of `tracer.check.compare`.
+* **ours_norm**: ours with the norm statistic alone (`compare(block_scale=False)`), to show
+  what the block-scale statistic adds.
 * **assert_close**: `torch.testing.assert_close(cand, ref)` with its defaults for the stored
   dtype (bf16: rtol 1.6e-2, atol 1e-5; fp32: rtol 1.3e-6, atol 1e-5), elementwise
   `|cand - ref| <= atol + rtol |ref|`.
@@ -695,9 +695,9 @@ the same mark (`~` when both kinds enter).
 
 {summary_table(results)}
 
-The same with the opt-in block-scale statistic as ours (peer delta / ours_block delta):
+The same with the norm statistic alone as ours (peer delta / ours_norm delta):
 
-{summary_table(results, base="ours_block", peers=FIXED_PEERS + ("depth_k0",))}
+{summary_table(results, base="ours_norm", peers=FIXED_PEERS + ("depth_k0",))}
 
 ## How far down any method could go
 

@@ -61,6 +61,11 @@ def test_grid():
     assert not block_scale_applies("fwd", torch.zeros(8, dtype=torch.int64))
     assert not block_scale_applies("param", torch.zeros(8, 8, dtype=torch.bfloat16))  # storage-rounding excess
     assert block_scale_applies("param", torch.zeros(8, 8))
+    # a 1-D parameter's gradient is a token sum, maybe accumulated with a systematic bias
+    for phase in ("grad_local", "grad", "main_grad"):
+        assert not block_scale_applies(phase, torch.zeros(64))
+        assert block_scale_applies(phase, torch.zeros(64, 64))
+    assert block_scale_applies("param", torch.zeros(64)) and block_scale_applies("fwd", torch.zeros(64))
 
 
 @pytest.mark.parametrize("dim", [0, -1])
@@ -132,7 +137,7 @@ def test_each_statistic_gets_half_the_false_alarm_probability():
     assert row.threshold == pytest.approx(th.threshold, rel=1e-12)
     blocks = deviation_threshold([block_scales(ref, n, torch.float64) for n in noisy], 0.5e-4)
     assert row.scale_threshold == pytest.approx(blocks.threshold, rel=1e-12)
-    # off by default: the norm statistic alone, at the whole probability
+    # turned off: the norm statistic alone, at the whole probability
     alone = _row(ref, cand, noisy, 1e-4, block_scale=False)
     assert math.isnan(alone.scale_threshold)
     assert alone.threshold == pytest.approx(deviation_threshold([n - ref for n in noisy], 1e-4).threshold, rel=1e-12)

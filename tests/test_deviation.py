@@ -88,7 +88,7 @@ def test_compare_reads_moments_as_it_reads_whole_samples(tmp_path):
     rows = {}
     for store in ("moments", "tensors"):
         ref, cand = _runs(tmp_path, store)
-        rows[store] = {r.name: r for r in compare(ref, cand, block_scale=True).rows}
+        rows[store] = {r.name: r for r in compare(ref, cand).rows}
     assert set(rows["moments"]) == {"a", "b", "idx"}
     for name, whole in rows["tensors"].items():
         mom = rows["moments"][name]
@@ -96,10 +96,11 @@ def test_compare_reads_moments_as_it_reads_whole_samples(tmp_path):
         assert mom.threshold == pytest.approx(whole.threshold, rel=1e-6, abs=0.0)
         assert mom.scale_threshold == pytest.approx(whole.scale_threshold, rel=1e-6, abs=0.0, nan_ok=True)
     assert rows["moments"]["a"].scale_threshold > 0 and rows["moments"]["b"].scale_threshold > 0
-    # off by default, also when the samples stored their block coordinates: the norm alone
-    default = {r.name: r for r in compare(tmp_path / "moments" / "ref", tmp_path / "moments" / "cand").rows}
-    assert math.isnan(default["a"].scale_threshold) and math.isnan(default["a"].scale_error)
-    assert default["a"].ratio == default["a"].error / default["a"].threshold
+    # turned off, also when the samples stored their block coordinates: the norm alone
+    off = {r.name: r for r in compare(tmp_path / "moments" / "ref", tmp_path / "moments" / "cand",
+                                      block_scale=False).rows}
+    assert math.isnan(off["a"].scale_threshold) and math.isnan(off["a"].scale_error)
+    assert off["a"].ratio == off["a"].error / off["a"].threshold
     # what the moments trace holds: 3 moments and the block coordinates (4 x 4 blocks of
     # [32, 16], 4 of [8]) in float64 per floating tensor, integers whole
     sample = TraceReader(tmp_path / "moments" / "ref" / "noise" / "sample_0")

@@ -5,8 +5,8 @@ A bf16 transformer block is the reference module. Three candidates:
 * the correct module on inputs that already differ (a propagated difference) -> "right";
 * a legitimately different computation (fc2's reduction split in two bf16 partials, as a
   TP=2 row-parallel linear computes it) -> "right", with the TP noise policy;
-* half of the output rescaled by 1 + 2^-7 -> "right" by the norm alone, "wrong" with the
-  (opt-in) block-scale statistic.
+* half of the output rescaled by 1 + 2^-7 -> "right" by the norm alone
+  (``block_scale=False``), "wrong" with the block-scale statistic (the default).
 """
 from __future__ import annotations
 
@@ -69,8 +69,9 @@ def test_a_rescaled_half_of_the_output_is_blamed_by_the_block_scale_statistic():
     with torch.no_grad():
         y_c = block(x)
         y_c[:, :32] = (y_c[:, :32].double() * (1 + 2.0 ** -7)).bfloat16()
-    assert not rerun_module(block, "block", [x], {}, y_c, policy=noise_policy(2, "bf16")).module_is_wrong
-    v = rerun_module(block, "block", [x], {}, y_c, policy=noise_policy(2, "bf16"), block_scale=True)
+    assert not rerun_module(block, "block", [x], {}, y_c, policy=noise_policy(2, "bf16"),
+                            block_scale=False).module_is_wrong
+    v = rerun_module(block, "block", [x], {}, y_c, policy=noise_policy(2, "bf16"))
     assert v.local_error < v.threshold and v.scale_error > 1.5 * v.scale_threshold, v
     assert v.module_is_wrong and "block-scale statistic" in str(v)
 

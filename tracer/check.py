@@ -8,8 +8,8 @@ and for every tensor both traced, in the reference's execution order:
    from the placements each rank wrote) and checks that replicated copies agree bitwise
    (they are computed from identical inputs by identical code on every rank);
 2. computes the error ``||cand - ref||_2`` (and the largest elementwise difference, with
-   the candidate rank that holds it) and the threshold from the noise samples, and, opt-in
-   (``block_scale=True``), on most floating-point tensors the block-scale statistic: the
+   the candidate rank that holds it) and the threshold from the noise samples, and (unless
+   ``block_scale=False``), on most floating-point tensors, the block-scale statistic: the
    part of the difference that rescales the reference block by block, which a wrong scale on
    one shard changes (:mod:`tracer.blockscale`); each statistic then gets half the tensor's
    false-alarm probability;
@@ -190,7 +190,7 @@ def _max_abs(x: torch.Tensor) -> float:
 def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, cand_t: torch.Tensor,
                notes: list[str], noisy: "list[torch.Tensor] | SampleMoments", false_alarm: float,
                cand_entries: dict[int, dict[str, Any]], work: torch.dtype | None = None, *,
-               block_scale: bool = False) -> TensorCheck:
+               block_scale: bool = True) -> TensorCheck:
     """The verdict on one tensor (module doc); ``noisy``: the noise samples, whole or as their
     moments (:mod:`tracer.deviation`).
 
@@ -286,7 +286,7 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
 def _check_routed(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, cand_t: torch.Tensor,
                   notes: list[str], noisy: "list[torch.Tensor] | SampleMoments", false_alarm: float,
                   cand_entries: dict[int, dict[str, Any]],
-                  changed: dict[tuple[int, str, int, int], ChoiceChange], block_scale: bool = False) -> TensorCheck:
+                  changed: dict[tuple[int, str, int, int], ChoiceChange], block_scale: bool = True) -> TensorCheck:
     """:func:`_check_one` with top-k choices (:mod:`tracer.decisions`): a module's scores,
     when within threshold, record in ``changed`` which tokens' choices differ; the scores'
     gradient and the tensors that consume the choice leave those tokens out (a consumer
@@ -438,15 +438,16 @@ def _noise_samples(readers: list[TraceReader], entries: list[dict[str, Any] | No
 
 def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str | Path] | None = None,
             steps: Iterable[int] | None = None, false_alarm: float = DEFAULT_FALSE_ALARM,
-            progress: bool = False, block_scale: bool = False) -> Comparison:
+            progress: bool = False, block_scale: bool = True) -> Comparison:
     """Check ``candidate`` against ``reference`` (trace directories); see the module docstring.
 
     ``noise``: noise-sample trace directories (default: ``reference/noise/sample_*``).
     ``false_alarm``: the probability, under the thresholds' conservative equal-variance
     model, that a correct candidate has any tensor over its threshold in this comparison
     (each of the ``N`` tensors gets ``false_alarm / N``, Bonferroni).
-    ``block_scale``: also test the block-scale statistic (:mod:`tracer.blockscale`; opt-in,
-    see its "Known false positive"), each statistic at half a tensor's false-alarm probability.
+    ``block_scale``: also test the block-scale statistic (:mod:`tracer.blockscale`; where it
+    applies, each statistic at half a tensor's false-alarm probability); ``False``: the norm
+    statistic alone (less sensitive to a wrongly scaled shard).
     Raises :class:`~tracer.errors.IncomparableRunsError` when the traces are of different
     models or share no step, and :class:`~tracer.errors.TraceError` (naming file, rank,
     step and tensor) for missing ranks and corrupt files. NaN/Inf are findings (status

@@ -57,10 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--step", action="append", type=int, help="compare only this step (repeatable)")
     c.add_argument("--false-alarm", type=float, default=1e-2,
                    help="false-alarm probability of the whole comparison, split over its tensors (default 0.01)")
-    c.add_argument("--block-scale", action="store_true",
-                   help="also test the block-scale statistic (tracer/blockscale.py): several times more sensitive "
-                        "to a wrongly scaled shard, but it can flag a systematic round-off bias that the noise "
-                        "samples do not model (docs/tracing.md)")
+    c.add_argument("--block-scale", action=argparse.BooleanOptionalAction, default=True,
+                   help="also test the block-scale statistic (tracer/blockscale.py; default on): several times "
+                        "more sensitive to a wrongly scaled shard; --no-block-scale: the norm statistic alone")
     c.add_argument("--report", metavar="PATH", help="report path without suffix (default CAND/ttrace_report)")
     c.add_argument("--top", type=int, default=5, help="how many of the worst tensors to list")
     c.add_argument("--no-plot", action="store_true")

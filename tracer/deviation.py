@@ -84,12 +84,20 @@ def stored_rounded(phase: str, dtype: torch.dtype) -> bool:
     return phase == "param" and dtype in (torch.bfloat16, torch.float16)
 
 
+#: phases whose tensors are parameter gradients: a 1-D one is a sum over every token
+_PARAMETER_GRADIENT_PHASES = ("grad_local", "grad", "main_grad")
+
+
 def block_scale_applies(phase: str, ref: torch.Tensor) -> bool:
     """Is the block-scale statistic (:mod:`tracer.blockscale`) tested on this tensor? Floating
-    point, at least two blocks, and not compared by its storage-rounding excess (which is not
-    linear in the deviation)."""
+    point, at least two blocks, not compared by its storage-rounding excess (which is not
+    linear in the deviation), and not the gradient of a 1-D parameter (a norm's weight or bias,
+    a linear bias): a sum over every token, which kernels may accumulate in low precision with
+    a systematic bias that a TP/SP split changes and zero-mean noise does not sample
+    (:mod:`tracer.blockscale`, "Where it is not tested")."""
     b0, b1 = block_grid(tuple(ref.shape))
-    return ref.is_floating_point() and b0 * b1 >= 2 and not stored_rounded(phase, ref.dtype)
+    return (ref.is_floating_point() and b0 * b1 >= 2 and not stored_rounded(phase, ref.dtype)
+            and not (phase in _PARAMETER_GRADIENT_PHASES and ref.dim() == 1))
 
 
 def storage_rounding_excess(phase: str, dtype: torch.dtype, ref: torch.Tensor) -> StorageRoundingExcess | None:

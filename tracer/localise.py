@@ -12,8 +12,8 @@ one in an untraced input).
 The threshold of the local difference is derived like every other threshold
 (:mod:`tracer.thresholds`): the module is re-run ``samples`` times on the same inputs under
 :class:`ttrace_num.propagate.noise.NoiseInjector` (forward only), and the F-test factor is
-applied to the samples' deviations. With ``block_scale``, as in :func:`tracer.check.compare`,
-the block-scale statistic (:mod:`tracer.blockscale`) is tested beside the norm, each at half
+applied to the samples' deviations. With ``block_scale`` (the default), as in
+:func:`tracer.check.compare`, the block-scale statistic (:mod:`tracer.blockscale`) is tested beside the norm, each at half
 the false-alarm probability, so that a module a comparison flagged for a rescaled output is
 judged by the same statistic here.
 """
@@ -84,7 +84,7 @@ def _first_tensor(out: Any) -> torch.Tensor:
 
 def rerun_module(module: nn.Module, name: str, args: list[torch.Tensor], kwargs: dict[str, torch.Tensor],
                  candidate_output: torch.Tensor, *, samples: int = 4, seed: int = 0,
-                 false_alarm: float = DEFAULT_FALSE_ALARM, block_scale: bool = False,
+                 false_alarm: float = DEFAULT_FALSE_ALARM, block_scale: bool = True,
                  **injector_kwargs: Any) -> LocalVerdict:
     """Re-run the reference's ``module`` on the candidate's inputs and judge the candidate's
     output ``candidate_output`` (the module's first output, assembled); see the module doc.

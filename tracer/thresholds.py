@@ -12,8 +12,8 @@ GEMM whose reduction the candidate splits over TP ranks and sums in bf16). The d
 propagated through the real network on the real data".
 
 Statistic. Per tensor we compare Euclidean norms: the candidate's error
-``e = ||cand - ref||_2`` against ``T = F * sqrt(mean_s ||d_s||_2^2)``. Opt-in, the checker
-applies the same construction to a second, linear statistic of the deviation, its block
+``e = ||cand - ref||_2`` against ``T = F * sqrt(mean_s ||d_s||_2^2)``. On most tensors the
+checker also applies the same construction to a second, linear statistic of the deviation, its block
 coordinates along the reference (:mod:`tracer.blockscale`), with the samples' coordinates in
 place of ``d_s``; everything below holds for it unchanged.
 
