@@ -397,23 +397,30 @@ def _megatron_functions() -> tuple[type, ...]:
     return (LinearWithGradAccumulationAndAsyncCommunication, _VocabParallelCrossEntropy)
 
 
-def injector_models(split: int, dtype: str) -> dict[str, Any]:
+def injector_models(split: int, dtype: str, routed: bool = False) -> dict[str, Any]:
     """:class:`~ttrace_num.propagate.noise.NoiseInjector` keywords for candidates whose
     reductions are split over up to ``split`` ranks in ``dtype`` (``"bf16"``/``"fp32"``): the
-    GEMM policy (:func:`noise_policy`), the summation model of parameter-gradient sums over
-    tokens (split, partials in ``dtype``) and, in fp32, variance-matched noise for the fp32
-    sums (``variance_model``: an unsplit run vs a ``split``-way one,
-    :mod:`ttrace_num.bounds.summation_variance`). In bf16 the GEMM results are rounded to
-    bf16, whose one-ulp flips the variance model does not describe: bounds there."""
+    GEMM policy (:func:`noise_policy`, for the GEMMs outside the variance model), the
+    summation model of parameter-gradient sums over tokens (split, partials in ``dtype``) and
+    variance-matched noise (``variance_model``: an unsplit run vs a ``split``-way one whose
+    partials are reduced in ``dtype``, :mod:`ttrace_num.bounds.summation_variance`) for the
+    GEMMs, the rounding of a bf16 result included, and for the fp32 parameter-gradient sums.
+
+    ``routed``: the model makes top-k routing choices (a mixture of experts). In bf16 its
+    GEMMs then keep their bound-sized noise: a correct candidate flips a near-tied choice
+    now and then, and its effect downstream is covered only when the samples flip choices as
+    often. With variance-matched bf16 GEMM noise they did not: one clean MoE tensor of the
+    detection matrix reached 1.02x its threshold (``docs/detection.md``, "Sensitivity")."""
     from ttrace_num.bounds.summation import Summation
     model = Summation(split=max(split, 1), reduce_fmt=dtype)
     return {"policy": noise_policy(split, dtype), "grad_summation": model,
-            "variance_model": model if dtype == "fp32" else None}
+            "variance_model": None if routed and dtype != "fp32" else model}
 
 
-def reference_noise(candidate_tp: int, dtype: str) -> dict[str, Any]:
+def reference_noise(candidate_tp: int, dtype: str, routed: bool = False) -> dict[str, Any]:
     """Keyword arguments of :class:`tracer.reference.NoiseSampler` for a megatron-core
     reference compared against candidates with tensor parallelism up to ``candidate_tp`` in
-    ``dtype``: :func:`injector_models` and megatron's autograd Functions whose backward
-    computes."""
-    return {"injector_kwargs": injector_models(candidate_tp, dtype), "custom_functions": _megatron_functions()}
+    ``dtype``: :func:`injector_models` (``routed``: a mixture-of-experts model) and
+    megatron's autograd Functions whose backward computes."""
+    return {"injector_kwargs": injector_models(candidate_tp, dtype, routed),
+            "custom_functions": _megatron_functions()}

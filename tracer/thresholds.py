@@ -24,18 +24,22 @@ place of ``d_s``; everything below holds for it unchanged.
   Propagation is linear to first order, so the injected deviation of every tensor has at
   least the variance of a legitimate one, elementwise, with the same correlation
   structure.
-* Except for fp32 sums, where that margin is far too generous. An order-free fp32 GEMM bound
-  is 100-1000x the error a kernel commits (:mod:`ttrace_num.bounds.matmul`, "Tightness"),
-  and noise of that size made fp32 thresholds ~5e4x the smallest detectable corruption. In fp32 the
-  references therefore use variance-matched noise for the sums whose result is fp32
+* Except for GEMMs and fp32 sums, where that margin is too generous. An order-free fp32 GEMM
+  bound is 100-1000x the error a kernel commits (:mod:`ttrace_num.bounds.matmul`,
+  "Tightness"), and noise of that size made fp32 thresholds ~5e4x the smallest detectable
+  corruption; in bf16, noise from the bound of an unsplit-vs-split GEMM has 1.9-4.1x the
+  standard deviation of the difference. The references therefore use variance-matched noise
   (``variance_model`` of :class:`~ttrace_num.propagate.noise.NoiseInjector`, from
-  :func:`tracer.megatron.injector_models`): GEMMs in forward and backward and
-  parameter-gradient sums get noise with the *variance* of the difference between an unsplit
-  and a split random-order fp32 run (:mod:`ttrace_num.bounds.summation_variance`). That is the
-  equal-variance case the factor ``F`` below is built for. The model is the largest of the
-  usual orders: this machine's split fp32 GEMMs differ by 0.13-0.7x its standard deviation,
-  and emulated random-order chains by 0.72-0.79x (``tests/test_summation_variance.py``).
-  Ops outside the model (norms, softmax, elementwise) keep their bound-sized noise.
+  :func:`tracer.megatron.injector_models`) for the GEMMs in forward and backward, fp32 or
+  bf16, and for fp32 parameter-gradient sums: noise with the *variance* of the difference
+  between an unsplit and a split random-order run, the rounding of a bf16 result included
+  (:mod:`ttrace_num.bounds.summation_variance`). That is the equal-variance case the factor
+  ``F`` below is built for. The model is the largest of the usual orders: this machine's split
+  fp32 GEMMs differ by 0.13-0.7x its standard deviation, its split bf16 GEMMs by 0.73-0.78x,
+  and emulated random-order fp32 chains by 0.72-0.79x (``tests/test_summation_variance.py``).
+  Ops outside the model (norms, softmax, elementwise, bf16 sums over tokens, GEMMs of mixed
+  operand dtypes) keep their bound-sized noise, and so do the bf16 GEMMs of a model with
+  top-k routing (``injector_models(routed=True)``: discrete choices, below).
 * The factor ``F``: under the conservative assumption that both have *equal* variance and
   are Gaussian with ``n_eff`` effective degrees of freedom, ``e^2 / mean_s ||d_s||^2``
   follows an ``F(n_eff, S n_eff)`` distribution; ``F = sqrt(F^{-1}(1 - q; n_eff, S n_eff))``
@@ -51,8 +55,9 @@ place of ``d_s``; everything below holds for it unchanged.
   (sum_i m_i)^2 / sum_i m_i^2`` with ``m_i = mean_s d_{s,i}^2`` is the participation ratio
   of the deviation (1 for a scalar or a single dominant element, ``numel`` for i.i.d.).
   At ``q = 10^-5`` with ``S = 4`` samples: ``F = 1.11`` for ``n_eff = 10^3``, 1.8 for 30,
-  and about 40 for a scalar. The 3x margin above holds for the local rounding of every op;
-  it does not hold for discontinuities (below), which is why the factor is not dropped.
+  and about 40 for a scalar. The margins above (3x the standard deviation for bound-sized
+  noise, 1.3-8x for the variance model) hold for the local rounding of every op; they do
+  not hold for discontinuities (below), which is why the factor is not dropped.
 * A tensor no sample moved is either computed only by ops outside the injector's model
   (integer inputs, index arithmetic, positional tables such as RoPE's ``outer``/``cos``/``sin``)
   or by exact ops, where two faithful implementations (error < 1 ulp) differ by less than one

@@ -45,10 +45,11 @@ def reference_noise(split: int, dtype: str, layout: Layout) -> dict[str, Any]:
     """:class:`~tracer.reference.NoiseSampler` keywords for a reference compared with
     candidates whose reductions are split over up to ``split`` ranks in ``dtype``: the models
     megatron's reference uses (:func:`tracer.megatron.injector_models`: split GEMMs and
-    parameter-gradient sums, variance-matched fp32 sums), and with FP8 the FP8 GEMM's
-    autograd Function runs its backward under the injector."""
+    parameter-gradient sums, variance-matched GEMMs and fp32 sums; bound-sized bf16 GEMM noise
+    for a mixture of experts), and with FP8 the FP8 GEMM's autograd Function runs its
+    backward under the injector."""
     from tracer.megatron import injector_models
-    kw: dict[str, Any] = {"injector_kwargs": injector_models(split, dtype)}
+    kw: dict[str, Any] = {"injector_kwargs": injector_models(split, dtype, routed=layout.moe)}
     if layout.fp8:
         from examples.torch_parallel.fp8 import Fp8LinearFunction
         kw["custom_functions"] = (Fp8LinearFunction,)

@@ -46,8 +46,33 @@ over orders and roundings: a particular order on particular data can exceed it, 
 what the statistical factor of a threshold built on it is for. First order only (the
 ``delta_i delta_j`` terms are ``O(n u^2)`` smaller); no underflow term (a variance of the
 subnormal absolute errors would be below fp32's ``2^-149``-scale and is ignored).
-The result is assumed to stay in the accumulation format (no output rounding term): use the
-bounds of :mod:`.summation` for a sum rounded to a narrower format.
+The result is assumed to stay in the final format of the sum: a result then rounded to a
+narrower format (a bf16 GEMM's fp32 accumulator stored in bf16) adds that rounding's variance,
+:func:`rounding_variance`, as :func:`gemm_difference_variance` does.
+
+Rounding a result into a narrow format
+--------------------------------------
+Round-to-nearest of a value ``v`` whose bits below the format's precision are not special
+commits an error uniform on ``[-h, h]``, ``h = half_ulp(v)`` (:func:`~ttrace_num.formats.half_ulp`:
+``u 2^e`` in the binade ``[2^e, 2^(e+1))``, at most ``u |v|``): variance ``h^2 / 3``
+(:func:`rounding_variance`; measured on random bf16 roundings within 2% of it,
+``tests/test_summation_variance.py``). Two runs whose pre-rounding values differ by much less
+than the spacing round to the same value far more often than independent roundings would, so
+counting the two roundings as independent over-states their difference (safe): that is the
+case of a GEMM that a TP candidate does not split (a column-parallel forward), whose two runs
+differ by 0 at most elements. The rounding of a run whose sum already ends in the narrow
+format (a reduction of bf16 partials in bf16, ``Summation.final_fmt``) is part of its chain
+and is not added again.
+
+A bf16 GEMM, one unsplit run against a TP-split one (fp32 partials rounded to bf16 and reduced
+in bf16: the row-parallel forward and the column-parallel input gradient), differs by the two
+output roundings and those of the partials and of their reduction. Measured on this machine's
+bf16 GEMMs split like that (``tests/test_summation_variance.py``, K = 64-4096): the rms
+difference is 0.73-0.78x the model's standard deviation for tp = 2 and 4, while noise ``U b``
+from the probabilistic bound of that difference (what the noise injector draws without a
+variance model) has 1.9-2.6x (tp = 2) and 3.7-4.1x (tp = 4) the model's standard deviation.
+The megatron and plain-PyTorch references use it for bf16 GEMMs except in models with top-k
+routing (:func:`tracer.megatron.injector_models`).
 
 Where the model fails: stagnation
 ---------------------------------
@@ -75,10 +100,11 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import FloatFormat
+from ..formats import FloatFormat, half_ulp
 from .summation import Summation, conversion_exact
 
-__all__ = ["difference_std", "matmul_sum_statistics", "matmul_variance", "may_stagnate", "sum_variance"]
+__all__ = ["difference_std", "gemm_difference_variance", "matmul_sum_statistics", "matmul_variance", "may_stagnate",
+           "rounding_variance", "sum_variance"]
 
 #: ``m`` of :func:`may_stagnate` (module docstring, "Where the model fails")
 STAGNATION_MARGIN = 0.5
@@ -145,6 +171,29 @@ def matmul_variance(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None 
     """:func:`sum_variance` of every output of ``a @ b (+ bias)`` (:func:`matmul_sum_statistics`)."""
     q, c, n, exact = matmul_sum_statistics(a, b, bias)
     return sum_variance(q, c, n, summation, exact_products=exact)
+
+
+def rounding_variance(values: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """Variance of one round-to-nearest of ``values`` into ``fmt``, elementwise, float64:
+    ``half_ulp(v)^2 / 3`` (module docstring, "Rounding a result into a narrow format")."""
+    return half_ulp(values.detach().double(), fmt) ** 2 / 3.0
+
+
+def gemm_difference_variance(q: torch.Tensor, c: torch.Tensor, n: int, exact_products: bool,
+                             models: tuple[Summation | None, ...], out_fmt: FloatFormat | None = None
+                             ) -> torch.Tensor:
+    """Variance of the difference of independent runs (``models``, ``None``: the default
+    unsplit fp32 sum) of sums with statistics ``Q``, ``C`` over ``n`` terms
+    (:func:`matmul_sum_statistics`), each run's result stored in ``out_fmt``: the sum of their
+    :func:`sum_variance`, plus :func:`rounding_variance` of ``C`` for each run whose sum ends
+    in a format wider than ``out_fmt`` (module docstring)."""
+    var = torch.zeros_like(q, dtype=torch.float64)
+    for model in models:
+        s = model or Summation()
+        var = var + sum_variance(q, c, n, s, exact_products)
+        if out_fmt is not None and s.final_fmt.u < out_fmt.u:
+            var = var + rounding_variance(c, out_fmt)
+    return var
 
 
 def difference_std(*variances: torch.Tensor) -> torch.Tensor:

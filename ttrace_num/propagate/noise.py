@@ -35,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 
 import ttrace_num as tn
 from ..bounds.summation import Summation
-from ..bounds.summation_variance import matmul_sum_statistics, may_stagnate, sum_variance
+from ..bounds.summation_variance import gemm_difference_variance, matmul_sum_statistics, may_stagnate
 from ..formats import NARROW_DTYPES, get_format, half_ulp
 from .calls import OpCall, classify
 from .local import LocalBounds, ModelPolicy
@@ -93,10 +93,12 @@ class NoiseInjector(TorchFunctionMode):
         calibration: a calibration (or its file) for the bounds of the ops it calibrates
             (:class:`~.local.LocalBounds`), the GEMMs of the backward included; the other
             gradient bounds stay analytic.
-        variance_model: variance-matched noise for the sums whose result is fp32 (GEMMs in
-            forward and backward, parameter-gradient sums over tokens): instead of ``U * b``
-            from a bound, noise with the *variance* of the difference between an unsplit
-            random-order fp32 run and a run of this model (e.g. ``Summation(split=tp)``),
+        variance_model: variance-matched noise for GEMMs in forward and backward whose
+            operands and result share one dtype (fp32, bf16 or fp16; a narrow result adds its
+            rounding's variance) and for fp32 parameter-gradient sums over tokens: instead of
+            ``U * b`` from a bound, noise with the *variance* of the difference between an
+            unsplit random-order fp32 run and a run of this model (e.g.
+            ``Summation(split=tp, reduce_fmt="bf16")``),
             :mod:`ttrace_num.bounds.summation_variance`. ``None``: bounds everywhere.
         memo: amplitudes shared by the samples of one step (:mod:`.memo`): the first
             sample's injector computes and stores them, the next ones reuse those of matching
@@ -137,18 +139,28 @@ class NoiseInjector(TorchFunctionMode):
         return self.memo.get(f"{what}@{self.module_of()}", operands, compute, output, rows)
 
     def _variance_amplitude(self, q: torch.Tensor, c: torch.Tensor, n: int, shape: torch.Size,
-                            exact_products: bool = True, models: "tuple[Summation | None, ...] | None" = None
-                            ) -> torch.Tensor:
+                            exact_products: bool = True, models: "tuple[Summation | None, ...] | None" = None,
+                            out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Amplitude of uniform noise with the variance of the difference of two runs (``models``;
         default an unsplit run and a run of :attr:`variance_model`) of sums with statistics
-        ``Q``, ``C`` over ``n`` terms (:func:`~ttrace_num.bounds.summation_variance.sum_variance`):
+        ``Q``, ``C`` over ``n`` terms, results stored in ``out_dtype``
+        (:func:`~ttrace_num.bounds.summation_variance.gemm_difference_variance`):
         ``sqrt(3 (V_a + V_b))``, as ``Var(U) = 1/3``."""
         models = models or (None, self.variance_model)
-        var = sum(sum_variance(q, c, n, s, exact_products) for s in models)
+        out_fmt = get_format(out_dtype) if out_dtype in NARROW_DTYPES else None
+        var = gemm_difference_variance(q, c, n, exact_products, models, out_fmt)
         return torch.sqrt(3.0 * torch.broadcast_to(var, shape)).reshape(shape)
 
     def _variance_applies(self, *tensors: torch.Tensor) -> bool:
+        """Variance-matched noise for a sum of fp32 terms into an fp32 result."""
         return self.variance_model is not None and all(t.dtype == torch.float32 for t in tensors)
+
+    def _gemm_variance_applies(self, a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
+        """Variance-matched noise for a GEMM whose operands and result share a dtype: fp32, or
+        bf16/fp16 (accumulated in fp32, the result rounded; ``summation_variance`` module doc).
+        Mixed operands (an FP8 GEMM's scaled inputs, a bf16 x fp32 product) keep their bounds."""
+        return (self.variance_model is not None and isinstance(b, torch.Tensor)
+                and a.dtype == b.dtype == out_dtype and out_dtype in (torch.float32,) + NARROW_DTYPES)
 
     def _gemm_bound(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """Local bound of a GEMM ``a @ b`` computed in backward, the same model as a forward GEMM
@@ -160,12 +172,14 @@ class NoiseInjector(TorchFunctionMode):
 
     def _gemm_noise(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, shape: torch.Size,
                     dtype: torch.dtype, output: torch.Tensor | None = None) -> torch.Tensor:
-        """Noise of a GEMM result ``a @ b (+ bias)``: of :meth:`_variance_amplitude` in fp32
-        (forward and backward); else, in backward, ``U`` times :meth:`_gemm_bound`."""
+        """Noise of a GEMM result ``a @ b (+ bias)`` of ``dtype``: of :meth:`_variance_amplitude`
+        where :meth:`_gemm_variance_applies` (forward and backward); else, in backward, ``U``
+        times :meth:`_gemm_bound`."""
         def amplitude(a: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-            if self._variance_applies(a, b):
+            if self._gemm_variance_applies(a, b, dtype):
                 q, c, n, exact = matmul_sum_statistics(a, b, bias)
-                return self._variance_amplitude(q.reshape(shape), c.reshape(shape), n, shape, exact)
+                return self._variance_amplitude(q.reshape(shape), c.reshape(shape), n, shape, exact,
+                                                out_dtype=dtype)
             return self._gemm_bound(a, b).reshape(shape)
 
         def rows(index: torch.Tensor) -> torch.Tensor:
@@ -325,7 +339,7 @@ class NoiseInjector(TorchFunctionMode):
 
     def _perturbed(self, call: OpCall, out: torch.Tensor, slot: _Slot) -> torch.Tensor:
         """``out`` plus the noise of ``call`` (module doc), differentiable when ``out`` is."""
-        if call.op in ("linear", "matmul") and self._variance_applies(out, *call.inputs[:2]):
+        if call.op in ("linear", "matmul") and self._gemm_variance_applies(call.inputs[0], call.inputs[1], out.dtype):
             a, w = call.inputs[0], call.inputs[1]
             bias = call.inputs[2] if len(call.inputs) > 2 else None
             noise = self._gemm_noise(a, w.transpose(-1, -2) if call.op == "linear" else w, bias, out.shape,
