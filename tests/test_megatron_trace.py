@@ -287,6 +287,15 @@ def test_cli_compare_exit_status(traces, tmp_path, capsys):
     assert main(["compare", str(traces / "ref_bf16_0"), str(traces / "tp2.pp2.sp_bf16_0"),
                  "--report", str(tmp_path / "clean"), "--no-plot"]) == 0
     assert "verdict: consistent" in capsys.readouterr().out
+    # by default most tensors carry a block-scale threshold; with --no-block-scale none does
+    def block_tested(report: str) -> int:
+        rows = json.loads((tmp_path / report).read_text())["tensors"]
+        return sum(isinstance(r["scale_threshold"], float) and math.isfinite(r["scale_threshold"]) for r in rows)
+    assert block_tested("clean.json") > 100
+    assert main(["compare", str(traces / "ref_bf16_0"), str(traces / "tp2.pp2.sp_bf16_0"),
+                 "--report", str(tmp_path / "norm"), "--no-plot", "--no-block-scale"]) == 0
+    assert block_tested("norm.json") == 0
+    capsys.readouterr()
     assert main(["compare", str(traces / "ref_bf16_0"), str(traces / "bug_sp_norm_grad_not_reduced"),
                  "--report", str(tmp_path / "bug")]) == 1
     out = capsys.readouterr().out

@@ -13,8 +13,9 @@ import torch
 
 from ttrace_num.bounds.summation import Summation
 from ttrace_num.formats import get_format
-from ttrace_num.bounds.summation_variance import (difference_std, gemm_difference_variance, matmul_sum_statistics,
-                                                  matmul_variance, may_stagnate, rounding_variance, sum_variance)
+from ttrace_num.bounds.summation_variance import (chain_split_difference, difference_std, gemm_difference_variance,
+                                                  matmul_sum_statistics, matmul_variance, may_stagnate,
+                                                  rounding_variance, sum_variance)
 
 VECTORS = {
     "mixed": [0.3, -1.2, 2.0, 0.7, -0.4, 1.1],
@@ -240,6 +241,24 @@ def _layer_norm_dbeta_split(tokens: int, coherence: float, width: int = 512):
     models = (Summation(accum="bf16"), Summation(accum="bf16", split=2, reduce_fmt="fp32"))
     var = sum(sum_variance(q, c, tokens, m, False) for m in models)
     return diff, t, var, models
+
+
+@pytest.mark.parametrize("tokens,coherence", [(32, 0.0), (128, 3.0), (128, 10.0), (512, 3.0)])
+def test_chain_split_difference_is_the_cpu_layer_norm_kernels(tokens, coherence):
+    """The one-sided part of a bf16 chain: emulated on the terms, the difference between the
+    bias gradient over all tokens and over two halves is the kernel's, bitwise (one thread:
+    torch's CPU layer-norm backward chains each thread's rows in a bf16 buffer)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        diff, t, var, _ = _layer_norm_dbeta_split(tokens, coherence)
+    finally:
+        torch.set_num_threads(threads)
+    emulated = chain_split_difference(t, torch.bfloat16, 2)
+    beyond = float(diff.pow(2).mean() / var.mean())
+    print(f"{tokens} tokens, coherence {coherence}: difference^2 / chain variance {beyond:.2f}")
+    assert torch.equal(emulated, diff)
+    assert torch.equal(chain_split_difference(t, torch.bfloat16, 1), torch.zeros_like(diff))
 
 
 @pytest.mark.parametrize("tokens,coherence", [(256, 10.0), (512, 3.0), (1024, 3.0), (2048, 1.0)])

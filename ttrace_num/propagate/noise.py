@@ -35,7 +35,8 @@ from torch.overrides import TorchFunctionMode
 
 import ttrace_num as tn
 from ..bounds.summation import Summation
-from ..bounds.summation_variance import gemm_difference_variance, matmul_sum_statistics, may_stagnate
+from ..bounds.summation_variance import (chain_split_difference, gemm_difference_variance, matmul_sum_statistics,
+                                        may_stagnate)
 from ..formats import NARROW_DTYPES, get_format, half_ulp
 from .calls import OpCall, classify
 from .local import LocalBounds, ModelPolicy
@@ -253,8 +254,11 @@ class NoiseInjector(TorchFunctionMode):
         ``grad_summation`` and reduces the parts in fp32
         (:mod:`~ttrace_num.bounds.summation_variance`): a bound of a bf16 chain over ``K``
         terms would be ~``lambda sqrt(K) 2^-8`` of the sum of magnitudes, 10-25x the spread.
-        Where such a chain can absorb its addends (long, of one sign: ``may_stagnate``), the
-        variance does not hold and those elements take the deterministic difference bound.
+        Its absorption of small addends is one-sided: the difference between the chain over all
+        terms and over the ``grad_summation`` split, emulated on the terms
+        (:func:`~ttrace_num.bounds.summation_variance.chain_split_difference`), is added in
+        square to the variance. Where such a chain can absorb whole addends (long, of one sign:
+        ``may_stagnate``), those elements take the deterministic difference bound.
 
         ``operands``: what the terms are computed from, for :attr:`memo` (default the terms)."""
         scale = 1.0 if self.local.against_exact else 2.0
@@ -273,7 +277,9 @@ class NoiseInjector(TorchFunctionMode):
             q, c = (t64 * t64).sum(0).reshape(g.shape), t64.sum(0).reshape(g.shape)
             # the terms may be rounded products (g * x_hat)
             amp = self._variance_amplitude(q, c, t.shape[0], g.shape, exact_products=False, models=models)
-            if chain_in_dtype:  # where the chain can absorb its addends the variance does not hold
+            if chain_in_dtype:  # the chain's one-sided part, then where it can absorb whole addends
+                systematic = chain_split_difference(terms().detach().reshape(-1, *shape), dtype, models[1].split)
+                amp = torch.sqrt(amp * amp + 3.0 * systematic.reshape(g.shape) ** 2)
                 stuck = may_stagnate(t64, get_format(dtype)).reshape(g.shape)
                 if bool(stuck.any()):
                     worst = tn.difference("sum", t, dim=0, model_a={"summation": models[0]},
