@@ -102,8 +102,9 @@ def block_scales(ref: torch.Tensor, x: torch.Tensor, work: torch.dtype, *, devia
     ``ref`` on the blocks of the reference (module doc).
 
     ``x`` is the candidate or a noise sample (``deviation=False``: the deviation is ``x -
-    ref``), or already the deviation (``deviation=True``). Products in ``work``, sums over a
-    block's rows accumulated in float64, chunk by chunk of whole rows of the first dimension."""
+    ref``), or already the deviation (``deviation=True``). Chunk by chunk of whole rows of the
+    first dimension: products and a chunk's sums in ``work`` (torch's sums over a chunk's
+    rows, ~1e-7 relative in float32), the chunks' sums accumulated in float64."""
     shape = tuple(ref.shape)
     b0, b1 = block_grid(shape)
     rows = shape[0] if shape else 1
@@ -112,6 +113,7 @@ def block_scales(ref: torch.Tensor, x: torch.Tensor, work: torch.dtype, *, devia
     x2 = x.detach().reshape(rows, -1, last)
     cross = torch.zeros(b0, last, dtype=torch.float64)   # sum of d_i r_i per (row block, column)
     power = torch.zeros(b0, last, dtype=torch.float64)   # sum of r_i^2
+    chunk_cross, chunk_power = torch.empty(b0, last, dtype=work), torch.empty(b0, last, dtype=work)
     row_block = torch.arange(rows) * b0 // rows
     step = max(1, _CHUNK // max(1, r2.shape[1] * last))
     for i in range(0, rows, step):
@@ -119,8 +121,8 @@ def block_scales(ref: torch.Tensor, x: torch.Tensor, work: torch.dtype, *, devia
         d = x2[i:i + step].to(work)
         d = d if deviation else d - r
         ids = row_block[i:i + step]
-        cross.index_add_(0, ids, (d * r).sum(1, dtype=torch.float64))
-        power.index_add_(0, ids, (r * r).sum(1, dtype=torch.float64))
+        cross += chunk_cross.zero_().index_add_(0, ids, (d * r).sum(1))
+        power += chunk_power.zero_().index_add_(0, ids, (r * r).sum(1))
     col_block = torch.arange(last) * b1 // last
     cross = torch.zeros(b0, b1, dtype=torch.float64).index_add_(1, col_block, cross)
     power = torch.zeros(b0, b1, dtype=torch.float64).index_add_(1, col_block, power)
