@@ -6,6 +6,7 @@ import os
 import numpy as np
 import pytest
 import torch
+from safetensors import SafetensorError
 
 import tracer.store as store
 from tracer.errors import (CorruptTraceError, IncomparableRunsError, ManifestMismatchError,
@@ -151,7 +152,7 @@ def test_duplicate_index_and_reflush_refused(tmp_path):
         w.add("d", torch.ones(1), phase="fwd", step=0)
 
 
-@pytest.mark.parametrize("fail_at", ["save", "replace"])
+@pytest.mark.parametrize("fail_at", ["save", "save_safetensors_error", "replace"])
 def test_disk_full_leaves_no_partial_file(tmp_path, monkeypatch, fail_at):
     w = TraceWriter(tmp_path, 1, 2, LAYOUT, SIG)
     w.add("w", torch.randn(64), phase="grad", step=7)
@@ -159,8 +160,13 @@ def test_disk_full_leaves_no_partial_file(tmp_path, monkeypatch, fail_at):
     def enospc(*a, **k):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
+    def safetensors_enospc(*a, **k):  # what safetensors 0.8 raises on a full disk (seen in a real run)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
     if fail_at == "save":
         monkeypatch.setattr(store, "save_file", enospc)
+    elif fail_at == "save_safetensors_error":
+        monkeypatch.setattr(store, "save_file", safetensors_enospc)
     else:  # the tensor file is renamed in, then the manifest's rename fails
         real = os.replace
         monkeypatch.setattr(os, "replace", lambda s, d: enospc() if str(d).endswith(".json") else real(s, d))

@@ -20,6 +20,7 @@ which is what a long run can afford. NaN/Inf are findings, never exceptions.
 """
 from __future__ import annotations
 
+import errno
 import json
 import math
 import operator
@@ -269,7 +270,12 @@ def _write_safetensors_atomic(path: Path, tensors: dict[str, torch.Tensor],
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
-        save_file(tensors, tmp, metadata=metadata)
+        try:
+            save_file(tensors, tmp, metadata=metadata)
+        except SafetensorError as exc:  # safetensors reports its I/O failures (ENOSPC, EIO) this way
+            code = re.search(r"os error (\d+)", str(exc))
+            number = int(code.group(1)) if code else errno.EIO
+            raise OSError(number, os.strerror(number)) from exc
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         size = os.path.getsize(tmp)
