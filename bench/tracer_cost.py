@@ -216,8 +216,9 @@ PROFILE_PARTS = (
     ("F quantile (scipy.special.fdtri)", "tracer/thresholds.py", "_f_quantile"),
     ("unmodelled_threshold", "tracer/thresholds.py", "unmodelled_threshold"),
     ("storage-rounding excess (bf16 params)", "tracer/deviation.py", "_far"),
-    ("difference norms, chunk by chunk", "tracer/difference.py", "difference_norms"),
-    ("block-scale coordinates (block_scales)", "tracer/blockscale.py", "block_scales"),
+    ("difference norms, chunk by chunk (tensors without the block statistic)", "tracer/difference.py",
+     "difference_norms"),
+    ("difference norms and block-scale coordinates, one pass (_block_pass)", "tracer/blockscale.py", "_block_pass"),
     ("block-scale threshold (deviation_threshold)", "tracer/thresholds.py", "deviation_threshold"),
     ("worst ranks (_worst_ranks)", "tracer/check.py", "_worst_ranks"),
 )

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import tracer.blockscale as blockscale
-from tracer.blockscale import block_grid, block_scales
+from tracer.blockscale import block_grid, block_scales, block_scales_and_norms
 from tracer.check import _check_one
 from tracer.deviation import block_scale_applies
+from tracer.difference import difference_norms
 from tracer.thresholds import deviation_threshold
 
 
@@ -66,6 +67,22 @@ def test_grid():
         assert not block_scale_applies(phase, torch.zeros(64))
         assert block_scale_applies(phase, torch.zeros(64, 64))
     assert block_scale_applies("param", torch.zeros(64)) and block_scale_applies("fwd", torch.zeros(64))
+
+
+@pytest.mark.parametrize("shape", [(3, 1000), (600, 1, 300), (5000,), (1,)])
+def test_one_pass_gives_the_coordinates_and_the_difference_norms(shape):
+    """block_scales_and_norms: the coordinates of block_scales and the norms of
+    difference_norms from one pass (within float32 summation error), None when a value is
+    not finite; chunks of whole rows (600 x 300 spans several)."""
+    g = torch.Generator().manual_seed(9)
+    ref = torch.randn(shape, generator=g).bfloat16()
+    cand = (ref.float() * (1 + 1e-2 * torch.randn(shape, generator=g))).bfloat16()
+    y, norms = block_scales_and_norms(ref, cand, torch.float32)
+    assert torch.equal(y, block_scales(ref, cand, torch.float32))
+    for got, want in zip(norms, difference_norms(ref, cand, torch.float32)):
+        assert math.isclose(got, want, rel_tol=1e-5)  # float32 sums of squares in other orders
+    cand.view(-1)[0] = math.nan
+    assert block_scales_and_norms(ref, cand, torch.float32)[1] is None
 
 
 @pytest.mark.parametrize("dim", [0, -1])

@@ -76,9 +76,10 @@ from collections.abc import Callable
 
 import torch
 
+from tracer.difference import chunk_norms, combine_chunk_norms
 from tracer.thresholds import deviation_threshold
 
-__all__ = ["BLOCKS_PER_DIM", "block_grid", "block_scales", "scale_test"]
+__all__ = ["BLOCKS_PER_DIM", "block_grid", "block_scales", "block_scales_and_norms", "scale_test"]
 
 #: blocks along the first and along the last dimension of a tensor (module doc, "Choice of the grid")
 BLOCKS_PER_DIM = 4
@@ -99,7 +100,22 @@ def block_grid(shape: tuple[int, ...] | list[int]) -> tuple[int, int]:
 def block_scales(ref: torch.Tensor, x: torch.Tensor, work: torch.dtype, *, deviation: bool = False
                  ) -> torch.Tensor:
     """The coordinates ``y_b`` (float64, ``B0 * B1`` of them) of the deviation of ``x`` from
-    ``ref`` on the blocks of the reference (module doc).
+    ``ref`` on the blocks of the reference (module doc); see :func:`block_scales_and_norms`."""
+    return _block_pass(ref, x, work, deviation, norms=False)[0]
+
+
+def block_scales_and_norms(ref: torch.Tensor, cand: torch.Tensor, work: torch.dtype
+                           ) -> tuple[torch.Tensor, tuple[float, float, float] | None]:
+    """:func:`block_scales` of ``cand`` and, from the same pass over both tensors,
+    :func:`tracer.difference.difference_norms` (``None`` when a value is not finite: the
+    coordinates are then meaningless too). One read of the two tensors instead of two: the
+    pass is bound by memory traffic on large tensors."""
+    return _block_pass(ref, cand, work, False, norms=True)
+
+
+def _block_pass(ref: torch.Tensor, x: torch.Tensor, work: torch.dtype, deviation: bool, norms: bool
+                ) -> tuple[torch.Tensor, tuple[float, float, float] | None]:
+    """The coordinates of :func:`block_scales` and, with ``norms``, the difference norms.
 
     ``x`` is the candidate or a noise sample (``deviation=False``: the deviation is ``x -
     ref``), or already the deviation (``deviation=True``). Chunk by chunk of whole rows of the
@@ -113,21 +129,26 @@ def block_scales(ref: torch.Tensor, x: torch.Tensor, work: torch.dtype, *, devia
     x2 = x.detach().reshape(rows, -1, last)
     cross = torch.zeros(b0, last, dtype=torch.float64)   # sum of d_i r_i per (row block, column)
     power = torch.zeros(b0, last, dtype=torch.float64)   # sum of r_i^2
-    chunk_cross, chunk_power = torch.empty(b0, last, dtype=work), torch.empty(b0, last, dtype=work)
-    row_block = torch.arange(rows) * b0 // rows
+    # row block b holds the rows i with i * b0 // rows == b; chunks never straddle two blocks
+    starts = [-(-blk * rows // b0) for blk in range(b0 + 1)]
     step = max(1, _CHUNK // max(1, r2.shape[1] * last))
-    for i in range(0, rows, step):
-        r = r2[i:i + step].to(work)
-        d = x2[i:i + step].to(work)
-        d = d if deviation else d - r
-        ids = row_block[i:i + step]
-        cross += chunk_cross.zero_().index_add_(0, ids, (d * r).sum(1))
-        power += chunk_power.zero_().index_add_(0, ids, (r * r).sum(1))
+    chunks = []  # chunk_norms of each chunk, with norms
+    for blk in range(b0):
+        for i in range(starts[blk], starts[blk + 1], step):
+            stop = min(i + step, starts[blk + 1])
+            r = r2[i:stop].to(work)
+            d = x2[i:stop].to(work)
+            d = d if deviation else d - r
+            cross[blk] += (d * r).sum((0, 1))
+            r_sq = (r * r).sum((0, 1))
+            power[blk] += r_sq
+            if norms:
+                chunks.append(chunk_norms(r_sq.sum().sqrt(), d))
     col_block = torch.arange(last) * b1 // last
     cross = torch.zeros(b0, b1, dtype=torch.float64).index_add_(1, col_block, cross)
     power = torch.zeros(b0, b1, dtype=torch.float64).index_add_(1, col_block, power)
     y = torch.where(power > 0, cross / power.clamp_min(math.ulp(0.0)).sqrt(), torch.zeros_like(cross))
-    return y.reshape(-1)
+    return y.reshape(-1), (combine_chunk_norms(chunks) if norms else None)
 
 
 def scale_test(sample_coordinates: list[torch.Tensor], coordinates: Callable[[], torch.Tensor],

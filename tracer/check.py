@@ -38,7 +38,7 @@ import torch
 
 from tracer.canonical import Placement, assemble, shard
 from tracer.decisions import TOPK_CONSUMER_META, TOPK_META, ChoiceChange, choice_changes, without_choices
-from tracer.blockscale import block_scales, scale_test
+from tracer.blockscale import block_scales, block_scales_and_norms, scale_test
 from tracer.deviation import (DEVIATION_FIELD, DeviationOf, Key, SampleMoments, block_scale_applies,
                               combined_moments, entry_key, storage_rounding_allowance, storage_rounding_excess,
                               stored_rounded, work_dtype)
@@ -212,9 +212,14 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
         if row.status == "nonfinite" or not any(map(math.isinf, (row.error, row.threshold, row.ref_norm))):
             return row  # else a float32 overflow: again in float64
     work = torch.float64 if work is None else work
+    # with block_scale, two statistics where the block-scale one applies, each at half the false-alarm probability
+    blocks = block_scale and block_scale_applies(phase, ref_t) and (not isinstance(noisy, SampleMoments)
+                                                                    or noisy.blocks is not None)
     # the common case, all finite: the norms chunk by chunk (a NaN or Inf of either, or an
-    # overflow, makes them non-finite), no elementwise masks, no whole-tensor copies
-    norms = difference_norms(ref_t, cand_t, work)
+    # overflow, makes them non-finite), no elementwise masks, no whole-tensor copies; with the
+    # block statistic, its coordinates from the same pass
+    cand_blocks, norms = (block_scales_and_norms(ref_t, cand_t, work) if blocks
+                          else (None, difference_norms(ref_t, cand_t, work)))
     dev: DeviationOf | None = None
 
     def deviation() -> DeviationOf:  # the reference in the working dtype, when elementwise work needs it
@@ -248,9 +253,6 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
     if not noisy:
         return TensorCheck(**base, status="unchecked", error=error, threshold=math.nan, ratio=math.nan,
                            max_abs=max_abs, ref_norm=ref_norm, note="no noise sample traced this tensor")
-    # with block_scale, two statistics where the block-scale one applies, each at half the false-alarm probability
-    blocks = block_scale and block_scale_applies(phase, ref_t) and (not isinstance(noisy, SampleMoments)
-                                                                    or noisy.blocks is not None)
     q = false_alarm / 2 if blocks else false_alarm
     if isinstance(noisy, SampleMoments):
         th, sample_blocks = moments_threshold(noisy.z, noisy.m_sq, q), (noisy.blocks if blocks else None)
@@ -265,7 +267,7 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
     scale_error, scale_threshold = math.nan, math.nan
     if sample_blocks is not None:
         scale_error, scale_threshold = scale_test(
-            sample_blocks, lambda: (block_scales(ref_t, cand_t, work) if norms is not None
+            sample_blocks, lambda: (cand_blocks if norms is not None
                                     else block_scales(deviation().ref, deviation().part(cand_t), work)), q)
         if scale_threshold > 0:
             ratio = max(ratio, scale_error / scale_threshold)

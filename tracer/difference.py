@@ -17,7 +17,7 @@ import math
 
 import torch
 
-__all__ = ["CHUNK", "difference_norms"]
+__all__ = ["CHUNK", "chunk_norms", "combine_chunk_norms", "difference_norms"]
 
 #: elements per chunk
 CHUNK = 1 << 17
@@ -36,9 +36,22 @@ def difference_norms(ref: torch.Tensor, cand: torch.Tensor, work: torch.dtype, c
     rows = []
     for start in range(0, r.numel(), chunk):
         rk = r[start:start + chunk].to(work)
-        d = torch.sub(c[start:start + chunk].to(work), rk)
-        lo, hi = torch.aminmax(d)
-        rows.append(torch.stack([torch.linalg.vector_norm(d), torch.linalg.vector_norm(rk), -lo, hi]))
+        rows.append(chunk_norms(torch.linalg.vector_norm(rk), torch.sub(c[start:start + chunk].to(work), rk)))
+    return combine_chunk_norms(rows)
+
+
+def chunk_norms(ref_norm: torch.Tensor, diff_chunk: torch.Tensor) -> torch.Tensor:
+    """``[||d||, ||r||, -min d, max d]`` of one chunk from the difference and the reference's
+    norm over the chunk, in their dtype (for :func:`combine_chunk_norms`)."""
+    lo, hi = torch.aminmax(diff_chunk)
+    return torch.stack([torch.linalg.vector_norm(diff_chunk), ref_norm, -lo, hi])
+
+
+def combine_chunk_norms(rows: list[torch.Tensor]) -> tuple[float, float, float] | None:
+    """``(||cand - ref||, ||ref||, max |cand - ref|)`` from the chunks' :func:`chunk_norms`,
+    combined in float64; ``None`` when any is not finite (see :func:`difference_norms`)."""
+    if not rows:
+        return 0.0, 0.0, 0.0
     stats = torch.stack(rows).double()
     if not bool(torch.isfinite(stats).all()):
         return None
