@@ -212,9 +212,10 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
         if row.status == "nonfinite" or not any(map(math.isinf, (row.error, row.threshold, row.ref_norm))):
             return row  # else a float32 overflow: again in float64
     work = torch.float64 if work is None else work
-    # with block_scale, two statistics where the block-scale one applies, each at half the false-alarm probability
-    blocks = block_scale and block_scale_applies(phase, ref_t) and (not isinstance(noisy, SampleMoments)
-                                                                    or noisy.blocks is not None)
+    # with block_scale, two statistics where the block-scale one applies (and a sample can set
+    # its threshold), each at half the false-alarm probability
+    blocks = block_scale and bool(noisy) and block_scale_applies(phase, ref_t) and (
+        not isinstance(noisy, SampleMoments) or noisy.blocks is not None)
     # the common case, all finite: the norms chunk by chunk (a NaN or Inf of either, or an
     # overflow, makes them non-finite), no elementwise masks, no whole-tensor copies; with the
     # block statistic, its coordinates from the same pass

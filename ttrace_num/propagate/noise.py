@@ -265,7 +265,8 @@ class NoiseInjector(TorchFunctionMode):
         kw = {**self.local.common_kwargs(), **({"summation": self.grad_summation} if self.grad_summation else {})}
 
         def amplitude(g: torch.Tensor) -> torch.Tensor:
-            t = terms().detach().to(dtype).reshape(-1, *shape)
+            exact_terms = terms().detach().reshape(-1, *shape)  # computed once (x_hat is a pass of its own)
+            t = exact_terms.to(dtype)
             if chain_in_dtype:
                 split = self.grad_summation.split if self.grad_summation else 1
                 models = (Summation(accum=dtype), Summation(accum=dtype, split=split, reduce_fmt="fp32"))
@@ -278,7 +279,7 @@ class NoiseInjector(TorchFunctionMode):
             # the terms may be rounded products (g * x_hat)
             amp = self._variance_amplitude(q, c, t.shape[0], g.shape, exact_products=False, models=models)
             if chain_in_dtype:  # the chain's one-sided part, then where it can absorb whole addends
-                systematic = chain_split_difference(terms().detach().reshape(-1, *shape), dtype, models[1].split)
+                systematic = chain_split_difference(exact_terms, dtype, split)
                 amp = torch.sqrt(amp * amp + 3.0 * systematic.reshape(g.shape) ** 2)
                 stuck = may_stagnate(t64, get_format(dtype)).reshape(g.shape)
                 if bool(stuck.any()):
