@@ -11,8 +11,7 @@ from safetensors import SafetensorError
 import tracer.store as store
 from tracer.errors import (CorruptTraceError, IncomparableRunsError, ManifestMismatchError,
                            MissingRankError, TraceError, TraceWriteError)
-from tracer.store import (TraceReader, _jsonable, TraceWriter, check_comparable, manifest_path, tensor_path,
-                          tensor_stats)
+from tracer.store import TraceReader, _jsonable, TraceWriter, check_comparable, manifest_path, tensor_path
 
 LAYOUT = {"tp": 2, "pp": 1, "dp": 1}
 SIG = "gpt-tiny:cfg=abc123"
@@ -92,33 +91,6 @@ def test_stats_mode_has_no_tensor_file(tmp_path):
     assert e["stats"]["quantiles"]["0.5"] == pytest.approx(float(x.median().item()), abs=0.5)
     with pytest.raises(TraceError, match="stats mode"):
         r.load(0, 1, e["key"])
-
-
-def test_stats_subsample_and_nonfinite():
-    x = torch.arange(200_000, dtype=torch.float32)
-    x[0], x[1], x[2] = float("nan"), float("inf"), float("-inf")
-    s = tensor_stats(x, max_samples=1000)
-    assert (s["nan_count"], s["inf_count"], s["finite_count"]) == (1, 2, 199_997)
-    assert s["quantile_samples"] == 999 and s["absmax"] == 199_999  # the sample's NaN dropped
-    xf = x[3:].double()
-    assert s["norm"] == pytest.approx(float(xf.norm()), rel=1e-14)
-    assert s["mean"] == pytest.approx(float(xf.mean()), rel=1e-14)
-    c = tensor_stats(x, max_samples=1000, chunk=777)  # chunked: same statistics
-    assert c["norm"] == pytest.approx(s["norm"], rel=1e-14) and c["mean"] == pytest.approx(s["mean"], rel=1e-14)
-    assert {k: c[k] for k in ("nan_count", "inf_count", "absmax", "quantiles")} == \
-        {k: s[k] for k in ("nan_count", "inf_count", "absmax", "quantiles")}
-    y = x.clone()
-    y[150_000] = float("nan")  # non-finite values in a later chunk as well
-    for k in (777, store.STATS_CHUNK):
-        t = tensor_stats(y, chunk=k)
-        assert (t["nan_count"], t["inf_count"], t["finite_count"]) == (2, 2, 199_996)
-        assert t["norm"] == pytest.approx(float(xf.norm().square().sub(150_000.0 ** 2).sqrt()), rel=1e-14)
-    big = torch.tensor([1e300, 1e300], dtype=torch.float64)
-    assert tensor_stats(big, chunk=1)["norm"] == pytest.approx(2 ** 0.5 * 1e300)  # no overflow across chunks
-    assert s["quantiles"]["0.5"] == pytest.approx(100_000, rel=1e-2)
-    json.dumps(s, allow_nan=False)  # strict JSON
-    s = tensor_stats(torch.full((3,), float("nan")))
-    assert s["norm"] is None and s["nan_count"] == 3
 
 
 def test_nan_inf_are_findings_not_errors(tmp_path):
@@ -430,11 +402,3 @@ def test_meta_that_json_refuses_is_refused(value):
         json.dumps(value, allow_nan=False)
     with pytest.raises(TraceError, match="meta must be JSON-serialisable"):
         _jsonable(value, "meta")
-
-
-@pytest.mark.parametrize("n", [1, 2, 7, 1000, 1024])
-def test_quantiles_are_numpys_linear_interpolation(n):
-    s = torch.randn(n, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
-    # the same order statistics and weights; numpy's lerp may round the last bit differently
-    assert store._quantiles(s, store.QUANTILES) == pytest.approx(np.quantile(s.numpy(), store.QUANTILES).tolist(),
-                                                              rel=1e-15, abs=1e-300)

@@ -28,13 +28,11 @@ import os
 import re
 import tempfile
 import warnings
-from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
@@ -47,16 +45,11 @@ from tracer.errors import (
     TraceError,
     TraceWriteError,
 )
+from tracer.stats import STATS_CHUNK, tensor_stats, tensor_stats_many
 
 SCHEMA_VERSION = 1
 MODES = ("full", "stats")
 KNOWN_PHASES = ("fwd", "bwd", "grad_local", "grad", "main_grad", "grad_norm", "param", "loss", "input", "optim")
-QUANTILES = (0.0, 0.01, 0.25, 0.5, 0.75, 0.99, 1.0)
-MAX_STAT_SAMPLES = 1 << 10
-#: elements per reduction chunk of ``tensor_stats``: a chunk's float64 scratch (1 MiB) is reused
-#: by the allocator, where one of a whole large tensor is mapped fresh and page-faulted on every
-#: call (4M bf16 values: 21 ms in one piece, 3.2 ms in chunks of 2^17, same float64 arithmetic)
-STATS_CHUNK = 1 << 17
 RUN_FILE = "run.json"
 MAX_OPEN_FILES = 64  # safetensors handles a TraceReader keeps open
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
@@ -133,104 +126,6 @@ def _json_copy(value: Any) -> Any:
     raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
-#: dtypes whose finiteness test and float64-accumulated reductions torch computes in place
-_NATIVE_STATS_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
-
-
-def tensor_stats(t: torch.Tensor, quantiles: tuple[float, ...] = QUANTILES,
-                 max_samples: int = MAX_STAT_SAMPLES, chunk: int = STATS_CHUNK) -> dict[str, Any]:
-    """Statistics of a tensor, JSON-safe (no NaN/Inf values in the result).
-
-    ``norm`` (L2), ``absmax``, ``mean`` and the quantiles are taken over the finite
-    elements only, in float64; ``nan_count`` and ``inf_count`` count the others
-    (complex tensors: over real and imaginary parts). ``norm``, ``absmax`` and
-    ``mean`` use all elements, ``chunk`` elements at a time (reductions with a float64
-    accumulator, the chunk norms combined with the overflow-safe ``math.hypot`` and the
-    chunk sums with ``math.fsum``). A chunk whose norm, sum, minimum and maximum are all
-    finite has no NaN/Inf (min/max propagate NaN, the float64 norm of values up to the
-    fp32 range cannot overflow), so the elementwise finiteness test (slower than all three
-    reductions together on CPU) runs only on a chunk where one of them is not finite. The
-    quantiles (linear interpolation, numpy's default) use the finite values of an evenly
-    strided subsample of at most ``max_samples`` elements (``quantile_samples`` says how
-    many), so they are approximate on large tensors (they describe a tensor for a reader;
-    no check uses them). Values are ``None`` when no element is finite.
-    """
-    x = t.detach().reshape(-1)
-    if x.is_complex():
-        x = torch.view_as_real(x).reshape(-1)
-    chunks = () if not x.numel() else (x,) if x.numel() <= chunk else torch.split(x, chunk)
-    nan_count = inf_count = 0
-    norms, sums, absmax = [], [], 0.0
-    for c, (n, total, lo, hi) in zip(chunks, _chunk_reductions(chunks)):
-        if not all(map(math.isfinite, (n, total, lo, hi))):
-            c = _reducible(c)
-            finite = torch.isfinite(c)
-            n_nan = int(torch.isnan(c).sum())
-            nan_count += n_nan
-            inf_count += c.numel() - int(finite.sum()) - n_nan
-            c = c[finite]
-            if not c.numel():
-                continue
-            n, total, lo, hi = torch.stack([torch.linalg.vector_norm(c, dtype=torch.float64),
-                                            c.sum(dtype=torch.float64), c.min().double(),
-                                            c.max().double()]).tolist()
-        norms.append(n)
-        sums.append(total)
-        absmax = max(absmax, -lo, hi)
-    finite_count = x.numel() - nan_count - inf_count
-    stats: dict[str, Any] = {"numel": int(x.numel()), "finite_count": int(finite_count),
-                             "nan_count": nan_count, "inf_count": inf_count}
-    if finite_count == 0:
-        stats.update(norm=None, absmax=None, mean=None, quantiles=None, quantile_samples=0)
-        return stats
-    sample = x[::-(-x.numel() // max_samples)].to("cpu", torch.float64)  # stride ceil(numel / max_samples)
-    if finite_count < x.numel():
-        sample = sample[torch.isfinite(sample)]
-    norm = math.hypot(*norms)
-    stats.update(norm=norm if math.isfinite(norm) else None,  # float64 overflow of |x|^2
-                 absmax=absmax, mean=math.fsum(sums) / finite_count,
-                 quantiles=dict(zip((f"{q:g}" for q in quantiles), _quantiles(sample, quantiles))),
-                 quantile_samples=int(sample.numel()))
-    return stats
-
-
-def _reducible(c: torch.Tensor) -> torch.Tensor:
-    """``c``, or its float64 copy for dtypes torch has no reduction kernels for (FP8, integers, bool)."""
-    return c if c.dtype in _NATIVE_STATS_DTYPES else c.to(torch.float64)
-
-
-def _chunk_reductions(chunks: Sequence[torch.Tensor]) -> list[list[float]]:
-    """``[norm, sum, min, max]`` of each chunk, in float64, read back with one ``tolist``.
-
-    Each chunk is widened to float64 once, then reduced (faster than widening reductions);
-    a chunk with NaN/Inf yields a non-finite entry (min/max propagate NaN, Inf reaches the
-    sum or the norm; the float64 norm of values up to the fp32 range cannot overflow).
-    """
-    rows = []
-    for c in map(_reducible, chunks):
-        lo, hi = torch.aminmax(c)
-        wide = c.double()
-        rows.append(torch.stack([torch.dot(wide, wide).sqrt(), wide.sum(), lo.double(), hi.double()]))
-    return torch.stack(rows).tolist() if rows else []
-
-
-def _quantiles(sample: torch.Tensor, quantiles: tuple[float, ...]) -> list[float | None]:
-    """Quantiles of a 1-D float64 sample by linear interpolation between order statistics
-    (numpy's default, as ``torch.quantile``), from one sort: ``np.quantile`` costs 2.5x this
-    on 1024 elements and ``torch.quantile`` more, in per-call overhead."""
-    n = sample.numel()
-    if n == 0:
-        return [None] * len(quantiles)
-    v = np.sort(sample.numpy())  # a few times faster than torch.sort on 1e3 elements
-    out = []
-    for q in quantiles:
-        pos = q * (n - 1)
-        i = min(int(pos), n - 1)
-        lo, hi = float(v[i]), float(v[min(i + 1, n - 1)])
-        out.append(lo + (hi - lo) * (pos - i))
-    return out
-
-
 def _fsync_dir(path: Path) -> None:
     """Make a rename durable; best effort (some filesystems refuse directory fsync)."""
     try:
@@ -295,8 +190,8 @@ def _unlink_quietly(path: Path) -> None:
 
 class _Buffered(NamedTuple):
     """A traced tensor waiting for its step's flush: its manifest entry, what the tensor file
-    stores for it (None in stats mode), and the copy whose statistics are still to be taken
-    (a background writer's full mode; else None)."""
+    stores for it (None in stats mode), and the copy whose statistics the flush takes (None
+    once they are in the entry: a large tensor of stats mode)."""
 
     entry: dict[str, Any]
     stored: torch.Tensor | None
@@ -332,9 +227,13 @@ class TraceWriter:
     directory are detected. Rank 0 writes ``root/run.json``.
 
     Tensors are copied (``detach`` + copy to CPU) when added; the training tensors
-    are never modified. In ``mode="stats"`` only their statistics are kept.
+    are never modified. In ``mode="stats"`` only their statistics are kept: a tensor of at
+    least ``STATS_CHUNK`` elements is reduced when added, where it is; a smaller one is copied
+    on its device and reduced at the flush with the rest of its step
+    (``tracer.stats.tensor_stats_many``: a few torch calls per distinct size, where one
+    tensor at a time cost ~110 us each). Full mode takes every copy's statistics at the flush.
 
-    ``background=True`` writes each flushed step, after the statistics of its large copies,
+    ``background=True`` writes each flushed step, after its copies' statistics,
     on a thread of its own while the run goes on (writing and torch's reductions release the
     GIL): a full trace of a large model then costs little more than its copies. At most one
     step is in flight (``flush_step`` first waits for the previous one), so the buffered
@@ -416,17 +315,20 @@ class TraceWriter:
                              step=step, tensor=name)
         key = f"{phase}/{name}/mb{microbatch}/i{index}"
         with torch._C.DisableTorchFunction():  # plain copy and stats even under a TorchFunctionMode
-            # stats mode keeps no data: the statistics read the tensor where it is, no copy
-            copy = tensor.detach().to("cpu", copy=True).contiguous() if self.mode == "full" else tensor.detach()
-            # a background writer takes a large full copy's statistics on its thread, off the run's
-            # path; a small one's here (their cost is Python that would contend for the GIL there)
-            later = self.mode == "full" and self._executor is not None and copy.numel() >= STATS_CHUNK
+            # statistics are taken at the flush, a step's tensors at once (tensor_stats_many), from
+            # the full copy, or in stats mode from a copy of a small tensor on its device; a large
+            # one's are taken now, reading it where it is (no copy, and its reductions dominate)
+            if self.mode == "full":
+                copy = tensor.detach().to("cpu", copy=True).contiguous()
+            else:
+                copy = tensor.detach().clone() if tensor.numel() < STATS_CHUNK else tensor.detach()
+            now = self.mode == "stats" and copy.numel() >= STATS_CHUNK
             entry = {"key": key, "name": name, "phase": phase, "step": step,
                      "microbatch": int(microbatch), "index": int(index),
                      "dtype": _dtype_name(copy.dtype), "shape": list(copy.shape),
-                     "placement": placement, "meta": meta, "stats": None if later else tensor_stats(copy)}
+                     "placement": placement, "meta": meta, "stats": tensor_stats(copy) if now else None}
             stored = self._kept(entry, copy) if self.mode == "full" else (entry, None)
-            entries[index] = _Buffered(*stored, copy if later else None)
+            entries[index] = _Buffered(*stored, None if now else copy)
         return key
 
     def _kept(self, entry: dict[str, Any], copy: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
@@ -480,10 +382,10 @@ class TraceWriter:
         """Write ``entries`` as ``step``'s tensor file and manifest (tensors first: a manifest is
         the commit), after the statistics left to it; returns the manifest path. Touches no
         state of the writer, so that it can run on the writing thread."""
-        for b in entries:
-            if b.stats_of is not None and b.entry["stats"] is None:
-                with torch._C.DisableTorchFunction():
-                    b.entry["stats"] = tensor_stats(b.stats_of)
+        todo = [b for b in entries if b.stats_of is not None and b.entry["stats"] is None]
+        with torch._C.DisableTorchFunction():
+            for b, stats in zip(todo, tensor_stats_many([b.stats_of for b in todo])):
+                b.entry["stats"] = stats
         sdir = step_dir(self.root, step)
         tpath, mpath = tensor_path(self.root, step, self.rank), manifest_path(self.root, step, self.rank)
         manifest = {"schema_version": SCHEMA_VERSION, "model_signature": self.model_signature,

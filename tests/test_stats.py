@@ -1,0 +1,99 @@
+"""Statistics of traced tensors (tracer/stats.py): one at a time and a step's worth at once."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import tracer.stats as stats
+from tracer.stats import QUANTILES, STATS_CHUNK, _quantiles, tensor_stats, tensor_stats_many
+from tracer.store import TraceReader, TraceWriter
+
+
+def test_stats_subsample_and_nonfinite():
+    x = torch.arange(200_000, dtype=torch.float32)
+    x[0], x[1], x[2] = float("nan"), float("inf"), float("-inf")
+    s = tensor_stats(x, max_samples=1000)
+    assert (s["nan_count"], s["inf_count"], s["finite_count"]) == (1, 2, 199_997)
+    assert s["quantile_samples"] == 999 and s["absmax"] == 199_999  # the sample's NaN dropped
+    xf = x[3:].double()
+    assert s["norm"] == pytest.approx(float(xf.norm()), rel=1e-14)
+    assert s["mean"] == pytest.approx(float(xf.mean()), rel=1e-14)
+    c = tensor_stats(x, max_samples=1000, chunk=777)  # chunked: same statistics
+    assert c["norm"] == pytest.approx(s["norm"], rel=1e-14) and c["mean"] == pytest.approx(s["mean"], rel=1e-14)
+    assert {k: c[k] for k in ("nan_count", "inf_count", "absmax", "quantiles")} == \
+        {k: s[k] for k in ("nan_count", "inf_count", "absmax", "quantiles")}
+    y = x.clone()
+    y[150_000] = float("nan")  # non-finite values in a later chunk as well
+    for k in (777, STATS_CHUNK):
+        t = tensor_stats(y, chunk=k)
+        assert (t["nan_count"], t["inf_count"], t["finite_count"]) == (2, 2, 199_996)
+        assert t["norm"] == pytest.approx(float(xf.norm().square().sub(150_000.0 ** 2).sqrt()), rel=1e-14)
+    big = torch.tensor([1e300, 1e300], dtype=torch.float64)
+    assert tensor_stats(big, chunk=1)["norm"] == pytest.approx(2 ** 0.5 * 1e300)  # no overflow across chunks
+    assert s["quantiles"]["0.5"] == pytest.approx(100_000, rel=1e-2)
+    json.dumps(s, allow_nan=False)  # strict JSON
+    s = tensor_stats(torch.full((3,), float("nan")))
+    assert s["norm"] is None and s["nan_count"] == 3
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 1000, 1024])
+def test_quantiles_are_numpys_linear_interpolation(n):
+    s = torch.randn(n, generator=torch.Generator().manual_seed(n), dtype=torch.float64)
+    # the same order statistics and weights; numpy's lerp may round the last bit differently
+    assert _quantiles(s, QUANTILES) == pytest.approx(np.quantile(s.numpy(), QUANTILES).tolist(),
+                                                              rel=1e-15, abs=1e-300)
+
+
+def _assorted() -> list[torch.Tensor]:
+    """Tensors of every kind a step traces: dtypes, sizes below and above a batch row's and the
+    subsample's, repeated sizes (one matrix), NaN/Inf, float64 overflow, empty, complex, large."""
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        for n in (1, 3, 64, 1000, 1025, 2048, 2048, 5000):
+            out.append((torch.randn(n, generator=g) * 3 + 0.5).to(dtype))
+    out += [torch.randn(2048, generator=g).to(torch.float8_e4m3fn), torch.arange(-7, 57),
+            torch.rand(2048, generator=g) > 0.5, torch.randn(8, 16, 32, generator=g).bfloat16()]
+    nan = torch.randn(2048, generator=g)
+    nan[[3, 700]] = torch.tensor([float("nan"), float("inf")])
+    out += [nan, torch.full((64,), float("-inf")), torch.tensor([1e200, -1e200], dtype=torch.float64),
+            torch.empty(0), torch.randn(16, dtype=torch.complex64, generator=g),
+            torch.randn(STATS_CHUNK + 5, generator=g).bfloat16()]
+    return out
+
+
+def test_many_is_one_at_a_time():
+    """Counts, absmax and quantiles identical; norm and mean to float64 rounding (one row sum
+    against a dot product and a sum of the same float64 values)."""
+    ts = _assorted()
+    for one, many in zip(map(tensor_stats, ts), tensor_stats_many(ts), strict=True):
+        exact = {k: one[k] for k in one if k not in ("norm", "mean")}
+        assert {k: many[k] for k in exact} == exact
+        for k in ("norm", "mean"):
+            assert (many[k] is None) == (one[k] is None)
+            if one[k] is not None:
+                assert many[k] == pytest.approx(one[k], rel=1e-13, abs=1e-300)
+        json.dumps(many, allow_nan=False)
+
+
+def test_many_splits_a_size_into_matrices_of_bounded_size(monkeypatch):
+    ts = [torch.randn(100, generator=torch.Generator().manual_seed(i)) for i in range(25)]
+    whole = tensor_stats_many(ts)
+    monkeypatch.setattr(stats, "BATCH_ELEMENTS", 300)  # 3 rows per matrix: 9 matrices
+    assert tensor_stats_many(ts) == whole
+    assert [s["norm"] for s in whole] == pytest.approx([float(t.double().norm()) for t in ts], rel=1e-14)
+
+
+def test_stats_mode_takes_a_tensor_as_it_was_when_added(tmp_path):
+    """Statistics are taken at the flush: a small tensor changed in place afterwards (a gradient
+    accumulated into, an activation reused) must not change them."""
+    small, large = torch.ones(64), torch.ones(STATS_CHUNK)
+    with TraceWriter(tmp_path, 0, 1, {"tp": 1}, "sig", mode="stats") as w:
+        w.add("small", small, phase="grad", step=0)
+        w.add("large", large, phase="grad", step=0)
+        small.mul_(3), large.mul_(3)
+        w.flush_step(0)
+    got = {e["name"]: e["stats"] for e in TraceReader(tmp_path).entries(0, 0)}
+    assert got["small"]["norm"] == pytest.approx(8.0) and got["small"]["mean"] == 1.0
+    assert got["large"]["mean"] == 1.0
