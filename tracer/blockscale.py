@@ -79,7 +79,7 @@ import torch
 from tracer.difference import chunk_norms, combine_chunk_norms
 from tracer.thresholds import deviation_threshold
 
-__all__ = ["BLOCKS_PER_DIM", "block_grid", "block_scales", "block_scales_and_norms", "scale_test"]
+__all__ = ["BLOCKS_PER_DIM", "block_grid", "block_scales", "block_scales_and_norms", "scale_test", "verdict_ratio"]
 
 #: blocks along the first and along the last dimension of a tensor (module doc, "Choice of the grid")
 BLOCKS_PER_DIM = 4
@@ -161,3 +161,18 @@ def scale_test(sample_coordinates: list[torch.Tensor], coordinates: Callable[[],
     if threshold <= 0:
         return math.nan, threshold
     return float(torch.linalg.vector_norm(coordinates())), threshold
+
+
+def verdict_ratio(error: float, threshold: float, sample_coordinates: list[torch.Tensor] | None,
+                  coordinates: Callable[[], torch.Tensor], false_alarm: float) -> tuple[float, float, float]:
+    """``(ratio, ||y||, T)``: a tensor's error/threshold ratio over both statistics, the norm
+    statistic's ``error / threshold`` (0 for no error under a zero threshold, else infinite)
+    and, when ``sample_coordinates`` is given, :func:`scale_test`'s ``||y|| / T`` where ``T > 0``
+    (``||y||``, ``T``: NaN when the block statistic is not tested)."""
+    ratio = error / threshold if threshold > 0 else (0.0 if error == 0 else math.inf)
+    scale_error = scale_threshold = math.nan
+    if sample_coordinates is not None:
+        scale_error, scale_threshold = scale_test(sample_coordinates, coordinates, false_alarm)
+        if scale_threshold > 0:
+            ratio = max(ratio, scale_error / scale_threshold)
+    return ratio, scale_error, scale_threshold

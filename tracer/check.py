@@ -38,7 +38,7 @@ import torch
 
 from tracer.canonical import Placement, assemble, shard
 from tracer.decisions import TOPK_CONSUMER_META, TOPK_META, ChoiceChange, choice_changes, without_choices
-from tracer.blockscale import block_scales, block_scales_and_norms, scale_test
+from tracer.blockscale import block_scales, block_scales_and_norms, verdict_ratio
 from tracer.deviation import (DEVIATION_FIELD, DeviationOf, Key, SampleMoments, block_scale_applies,
                               combined_moments, entry_key, storage_rounding_allowance, storage_rounding_excess,
                               stored_rounded, work_dtype)
@@ -264,14 +264,9 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
     if th.threshold == 0.0 and ref_t.is_floating_point():
         th = unmodelled_threshold(deviation().ref, ref_t.dtype)
         sample_blocks = None  # no sample moved it: the norm statistic's ulp threshold decides alone
-    ratio = error / th.threshold if th.threshold > 0 else (0.0 if error == 0 else math.inf)
-    scale_error, scale_threshold = math.nan, math.nan
-    if sample_blocks is not None:
-        scale_error, scale_threshold = scale_test(
-            sample_blocks, lambda: (cand_blocks if norms is not None
-                                    else block_scales(deviation().ref, deviation().part(cand_t), work)), q)
-        if scale_threshold > 0:
-            ratio = max(ratio, scale_error / scale_threshold)
+    ratio, scale_error, scale_threshold = verdict_ratio(
+        error, th.threshold, sample_blocks,
+        lambda: cand_blocks if norms is not None else block_scales(deviation().ref, deviation().part(cand_t), work), q)
     status = "over" if ratio > 1 else "ok"
     note = "; ".join(notes)
     if notes:

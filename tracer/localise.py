@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tracer.blockscale import block_scales, scale_test
+from tracer.blockscale import block_scales, verdict_ratio
 from tracer.deviation import block_scale_applies
 from tracer.thresholds import DEFAULT_FALSE_ALARM, noise_threshold, unmodelled_threshold
 
@@ -105,11 +105,7 @@ def rerun_module(module: nn.Module, name: str, args: list[torch.Tensor], kwargs:
         th, blocks = unmodelled_threshold(clean, candidate_output.dtype), False
     cand = candidate_output.double()
     err = float(torch.linalg.vector_norm(cand - clean))
-    ratio = err / th.threshold if th.threshold > 0 else (0.0 if err == 0 else float("inf"))
-    scale_error = scale_threshold = math.nan
-    if blocks:
-        scale_error, scale_threshold = scale_test([block_scales(clean, n, torch.float64) for n in noisy],
-                                                  lambda: block_scales(clean, cand, torch.float64), q)
-        if scale_threshold > 0:
-            ratio = max(ratio, scale_error / scale_threshold)
+    ratio, scale_error, scale_threshold = verdict_ratio(
+        err, th.threshold, [block_scales(clean, n, torch.float64) for n in noisy] if blocks else None,
+        lambda: block_scales(clean, cand, torch.float64), q)
     return LocalVerdict(name, err, th.threshold, ratio, ratio > 1, scale_error, scale_threshold)
