@@ -104,7 +104,46 @@ def test_fp32_products_add_one_rounding_bf16_ones_none():
     a, b = torch.randn(8, 16, generator=g).bfloat16(), torch.randn(16, 4, generator=g).bfloat16()
     q = (a.double() ** 2) @ (b.double() ** 2)
     extra = matmul_variance(a.float(), b.float()) - matmul_variance(a, b)  # same values, fp32 dtype
-    assert torch.allclose(extra, (2.0 ** -24) ** 2 / 3 * q, rtol=1e-12, atol=0)
+    # Q from float32 GEMMs: within gamma_(K+1) = (K + 2) 2^-24 relative (matmul_sum_statistics)
+    assert torch.allclose(extra, (2.0 ** -24) ** 2 / 3 * q, rtol=18 * 2.0 ** -24, atol=0)
+
+
+def _float64_statistics(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    a64, b64 = a.double(), b.double()
+    return (a64 * a64) @ (b64 * b64), a64 @ b64
+
+
+@pytest.mark.parametrize("k", [64, 512, 4096])
+@pytest.mark.parametrize("exponent", [-40, 0, 40])
+def test_gemm_statistics_in_float32_match_float64(k, exponent):
+    """The float32 statistics (operands scaled by powers of two) against float64 ones, on bf16
+    GEMMs whose squared products reach 2^+-160 (outside float32's range unscaled), with half the
+    columns cancelling exactly in pairs (C = 0, Q large): Q within its rigorous bound, and the
+    variance of a bf16 TP-2 difference within 1e-5 relative."""
+    g = torch.Generator().manual_seed(k + exponent)
+    a = (torch.randn(16, k, generator=g) * 2.0 ** exponent).bfloat16()
+    b = torch.randn(k, 32, generator=g) * 2.0 ** exponent
+    b[:, 16:] = torch.where(torch.arange(k)[:, None] % 2 == 0, b[:, 16:], 0.0)
+    a[:, 1::2] = a[:, 0::2]                      # a's odd columns repeat its even ones ...
+    b[1::2, 16:] = -b[0::2, 16:]                  # ... and these columns of b cancel them
+    b = b.bfloat16()
+    q, c, n, exact = matmul_sum_statistics(a, b)
+    q64, c64 = _float64_statistics(a, b)
+    assert (c64[:, 16:] == 0).all() and (q64[:, 16:] > 0).all()
+    assert torch.allclose(q, q64, rtol=(k + 2) * 2.0 ** -24, atol=0)
+    models = (None, Summation(split=2, reduce_fmt=get_format("bf16")))
+    out = get_format("bf16")
+    v, v64 = (gemm_difference_variance(qq, cc, n, exact, models, out) for qq, cc in ((q, c), (q64, c64)))
+    rel = float(((v - v64).abs() / v64).max())
+    print(f"K={k} scale 2^{exponent}: variance from float32 statistics, largest relative difference {rel:.1e}")
+    assert rel < 1e-5
+
+
+def test_gemm_statistics_of_non_finite_operands_are_not_finite():
+    a, b = torch.ones(2, 3), torch.ones(3, 2)
+    a[0, 0] = float("inf")
+    q, c, _, _ = matmul_sum_statistics(a, b)
+    assert math.isinf(q[0, 0]) and math.isinf(c[0, 0]) and torch.equal(q[1], torch.full((2,), 3.0, dtype=torch.float64))
 
 
 def _injected_variance(inputs, **kw) -> float:

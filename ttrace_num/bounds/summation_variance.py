@@ -112,46 +112,63 @@ difference's square on top of the variance.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..formats import FloatFormat, half_ulp
 from .summation import Summation, conversion_exact
 
 __all__ = ["chain_split_difference", "difference_std", "gemm_difference_variance", "matmul_sum_statistics",
-           "matmul_variance", "may_stagnate", "rounding_variance", "sum_variance"]
+           "matmul_variance", "may_stagnate", "rounding_variance", "sum_variance", "variance_coefficients"]
 
 #: ``m`` of :func:`may_stagnate` (module docstring, "Where the model fails")
 STAGNATION_MARGIN = 0.5
 
 
-def _chain(q: torch.Tensor, c2: torch.Tensor, n: int) -> torch.Tensor:
-    """``(n + 1)(Q/6 + C^2/3)``: identity (1) of the module docstring."""
-    return (n + 1) * (q / 6.0 + c2 / 3.0)
+def variance_coefficients(n: int, summation: Summation | None = None, exact_products: bool = True
+                          ) -> tuple[float, float]:
+    """``(alpha, beta)`` such that :func:`sum_variance` is ``alpha Q + beta C^2``: every term of
+    the model (module docstring) is linear in ``Q`` and ``C^2``, through ``P = p_Q Q + p_C C^2``
+    with ``p_Q = m(n-m)/((n-1) n)`` and ``p_C = m/n^2 (m - (n-m)/(n-1)) >= 0``, so both
+    coefficients are non-negative (no cancellation in the sum) and the variance of a whole
+    tensor of sums costs two elementwise passes."""
+    s = summation or Summation()
+    if n <= 1:
+        return 0.0, 0.0
+    k, m = s.parts(n), s.part_size(n)
+    p_q = m * (n - m) / ((n - 1) * n)
+    p_c = m / n**2 * (m - (n - m) / (n - 1))
+    ua2 = s.accum.u ** 2 / 3.0
+    alpha = ua2 * (m + 1) * (1.0 / 6.0 + k * p_q / 3.0) + (0.0 if exact_products else ua2)
+    beta = ua2 * (m + 1) * k * p_c / 3.0
+    if k > 1:  # identity (1) over the k partials, whose mean square is P
+        rf: FloatFormat = s.reduce_fmt or s.accum
+        ur2 = rf.u ** 2 / 3.0
+        alpha += ur2 * (k + 1) * k * p_q / 6.0
+        beta += ur2 * (k + 1) * (k * p_c / 6.0 + 1.0 / 3.0)
+        if not conversion_exact(s.accum, rf):
+            alpha += ur2 * k * p_q
+            beta += ur2 * k * p_c
+    return alpha, beta
 
 
 def sum_variance(sq_sum: torch.Tensor, total: torch.Tensor, n: int, summation: Summation | None = None,
                  exact_products: bool = True) -> torch.Tensor:
     """Variance of the rounding error of one run of an ``n``-term sum in a random order
     (module docstring), elementwise from ``Q = sum t^2`` (``sq_sum``) and ``C = sum t``
-    (``total``), float64. ``summation``: accumulation format and split (the algorithm is
-    taken as a random-order chain whatever it says: the largest of the usual orders)."""
-    s = summation or Summation()
-    q, c2 = sq_sum.double(), total.double() ** 2
-    if n <= 1:
+    (``total``), float64: ``alpha Q + beta C^2`` (:func:`variance_coefficients`).
+    ``summation``: accumulation format and split (the algorithm is taken as a random-order
+    chain whatever it says: the largest of the usual orders)."""
+    return _combined(sq_sum, total, *variance_coefficients(n, summation, exact_products))
+
+
+def _combined(q: torch.Tensor, c: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
+    """``alpha Q + beta C^2`` elementwise in float64 (zeros when both coefficients are)."""
+    q, c = q.double(), c.double()
+    if alpha == 0.0 and beta == 0.0:
         return torch.zeros_like(q)
-    k, m = s.parts(n), s.part_size(n)
-    ua2 = s.accum.u ** 2 / 3.0
-    p = m * (n - m) / (n - 1) * (q / n - c2 / n**2) + (m / n) ** 2 * c2  # E[p_i^2]
-    var = ua2 * (m + 1) * (q / 6.0 + k * p / 3.0)
-    if not exact_products:
-        var = var + ua2 * q
-    if k > 1:
-        rf: FloatFormat = s.reduce_fmt or s.accum
-        ur2 = rf.u ** 2 / 3.0
-        var = var + ur2 * _chain(k * p, c2, k)
-        if not conversion_exact(s.accum, rf):
-            var = var + ur2 * k * p
-    return var
+    return torch.addcmul(q * alpha, c, c, value=beta)
 
 
 def may_stagnate(terms: torch.Tensor, accum: FloatFormat, margin: float = STAGNATION_MARGIN) -> torch.Tensor:
@@ -185,17 +202,51 @@ def chain_split_difference(terms: torch.Tensor, dtype: torch.dtype, split: int) 
 def matmul_sum_statistics(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None
                           ) -> tuple[torch.Tensor, torch.Tensor, int, bool]:
     """``(Q, C, n, exact_products)`` of every output of ``a @ b (+ bias)`` for
-    :func:`sum_variance`: ``Q = (a*a) @ (b*b) (+ bias^2)``, ``C = a @ b (+ bias)`` in float64,
-    ``n`` terms (the ``K`` products, then the bias); products of fp32 inputs count as rounded
-    (no FMA assumed), of bf16/fp16 inputs as exact."""
-    a64, b64 = a.detach().double(), b.detach().double()
-    q, c = torch.matmul(a64 * a64, b64 * b64), torch.matmul(a64, b64)
+    :func:`sum_variance`: ``Q = (a*a) @ (b*b) (+ bias^2)``, ``C = a @ b (+ bias)`` (float64
+    tensors), ``n`` terms (the ``K`` products, then the bias); products of fp32 inputs count as
+    rounded (no FMA assumed), of bf16/fp16 inputs as exact.
+
+    The two GEMMs run in float32 on operands scaled by powers of two (:func:`_unit_scaled`:
+    exact, and no square or sum can overflow), 2.3x faster than in float64 on this CPU (512 x
+    1024 x 4096: 52 vs 120 ms, where the bf16 GEMM itself takes 11 ms). What that costs in
+    accuracy: ``Q`` is a sum of non-negative terms, the squares of bf16/fp16 values are exact
+    in float32 (16 and 22 significant bits), so ``Q`` is within ``gamma_(K+1)`` relative of the
+    exact one (``(K + 2) u``, ``u = 2^-24``: 2.4e-4 at ``K = 4096`` in the worst case). ``C``
+    is within ``gamma_K sum |a_i b_i|`` of the exact sum; under the random-rounding model the
+    variance itself rests on, that error is ``~u sqrt(K)`` of ``sum |a_i b_i|``, and its effect
+    on the ``C^2`` terms of the variance, relative to the variance, is below ``~6 K u`` (1.5e-3
+    at ``K = 4096``; the model's own accuracy against real kernels is 0.73-0.78x). Measured
+    against the float64 statistics (``tests/test_summation_variance.py``): the variance agrees
+    within 1e-5 relative on random and cancelling GEMMs, K = 64-4096, at scales 2^-100 to 2^100.
+    Operands with NaN/Inf take float64 (the statistics are then not finite either way).
+    """
+    (a32, ea), (b32, eb) = _unit_scaled(a), _unit_scaled(b)
+    if a32 is None or b32 is None:
+        a64, b64 = a.detach().double(), b.detach().double()
+        q, c = torch.matmul(a64 * a64, b64 * b64), torch.matmul(a64, b64)
+    else:
+        q = torch.matmul(a32 * a32, b32 * b32).double().mul_(2.0 ** (2 * (ea + eb)))
+        c = torch.matmul(a32, b32).double().mul_(2.0 ** (ea + eb))
     n = a.shape[-1]
     if bias is not None:
         bias64 = bias.detach().double()
         q, c, n = q + bias64 * bias64, c + bias64, n + 1
     exact = a.dtype in (torch.bfloat16, torch.float16) and b.dtype in (torch.bfloat16, torch.float16)
     return q, c, n, exact
+
+
+def _unit_scaled(x: torch.Tensor) -> tuple[torch.Tensor | None, int]:
+    """``(x 2^-e, e)`` in float32, ``2^(e-1) <= max |x| < 2^e``: the scaled values are below 1 in
+    magnitude, so their squares, and sums of up to ``2^100`` products of them, stay in float32's
+    range. The scaling is exact except for values below ``2^-126`` of the largest, which only
+    lose precision (their share of ``Q`` is below ``2^-252``). ``(None, 0)`` when ``x`` has a
+    value that is not finite."""
+    x32 = x.detach().float()
+    largest = float(x32.abs().amax()) if x32.numel() else 0.0
+    if not math.isfinite(largest):
+        return None, 0
+    e = max(math.frexp(largest)[1], -126) if largest > 0 else 0  # 2^126 is a float32, 2^130 is not
+    return (x32 * 2.0 ** -e if e else x32), e
 
 
 def matmul_variance(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None,
@@ -219,13 +270,15 @@ def gemm_difference_variance(q: torch.Tensor, c: torch.Tensor, n: int, exact_pro
     (:func:`matmul_sum_statistics`), each run's result stored in ``out_fmt``: the sum of their
     :func:`sum_variance`, plus :func:`rounding_variance` of ``C`` for each run whose sum ends
     in a format wider than ``out_fmt`` (module docstring)."""
-    var = torch.zeros_like(q, dtype=torch.float64)
+    alpha = beta = 0.0
+    rounded = 0  # runs whose result is rounded into out_fmt after their sum
     for model in models:
         s = model or Summation()
-        var = var + sum_variance(q, c, n, s, exact_products)
-        if out_fmt is not None and s.final_fmt.u < out_fmt.u:
-            var = var + rounding_variance(c, out_fmt)
-    return var
+        a, b = variance_coefficients(n, s, exact_products)
+        alpha, beta = alpha + a, beta + b
+        rounded += out_fmt is not None and s.final_fmt.u < out_fmt.u
+    var = _combined(q, c, alpha, beta)
+    return var.add_(rounding_variance(c, out_fmt), alpha=rounded) if rounded else var
 
 
 def difference_std(*variances: torch.Tensor) -> torch.Tensor:
