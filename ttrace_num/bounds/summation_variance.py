@@ -238,9 +238,10 @@ def matmul_sum_statistics(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor |
 def _unit_scaled(x: torch.Tensor) -> tuple[torch.Tensor | None, int]:
     """``(x 2^-e, e)`` in float32, ``2^(e-1) <= max |x| < 2^e``: the scaled values are below 1 in
     magnitude, so their squares, and sums of up to ``2^100`` products of them, stay in float32's
-    range. The scaling is exact except for values below ``2^-126`` of the largest, which only
-    lose precision (their share of ``Q`` is below ``2^-252``). ``(None, 0)`` when ``x`` has a
-    value that is not finite."""
+    range. The scaling is exact except for values below ``2^-126`` of the largest; the squares
+    of values below ``2^-63`` of the largest lose precision (float32 subnormals) or vanish, a
+    share of ``Q`` below ``2^-126`` of the largest term. ``(None, 0)`` when ``x`` has a value
+    that is not finite."""
     x32 = x.detach().float()
     largest = float(x32.abs().amax()) if x32.numel() else 0.0
     if not math.isfinite(largest):
