@@ -8,8 +8,8 @@ import torch
 
 from tracer.check import compare
 from tracer.decisions import TOPK_META
-from tracer.deviation import (DEVIATION_FIELD, DeviationOf, MomentAccumulator, MomentWriter, combined_moments,
-                              work_dtype)
+from tracer.deviation import (DEVIATION_FIELD, MOMENT_CHUNK, DeviationOf, MomentAccumulator, MomentWriter,
+                              combined_moments, work_dtype)
 from tracer.errors import TraceError
 from tracer.store import TraceReader, TraceWriter
 from tracer.thresholds import deviation_threshold, moments_threshold
@@ -27,16 +27,18 @@ def _moments(ref: torch.Tensor, noisy: list[torch.Tensor], phase: str, factor_c:
     return [z for z, _, _ in zqc], math.fsum(q for _, q, _ in zqc) + factor_c * math.fsum(c for _, _, c in zqc)
 
 
-@pytest.mark.parametrize("dtype,phase", [(torch.float32, "fwd"), (torch.bfloat16, "fwd"), (torch.bfloat16, "param")])
-def test_moments_give_the_threshold_of_the_whole_samples(dtype, phase):
+@pytest.mark.parametrize("dtype,phase,rows", [(torch.float32, "fwd", 64), (torch.bfloat16, "fwd", 64),
+                                               (torch.bfloat16, "param", 64), (torch.float64, "fwd", 4200)])
+def test_moments_give_the_threshold_of_the_whole_samples(dtype, phase, rows):
     """z_s and ||m||^2 = sum q + 2 sum c reproduce deviation_threshold; the factor 2 of the cross
-    terms is what makes them agree (negative control: 1 gives another n_eff and threshold)."""
+    terms is what makes them agree (negative control: 1 gives another n_eff and threshold).
+    4200 x 32 elements: the later samples' moments in chunks (MOMENT_CHUNK)."""
     g = torch.Generator().manual_seed(3)
-    ref = torch.randn(64, 32, generator=g).to(dtype)
+    ref = torch.randn(rows, 32, generator=g).to(dtype)
     # a few dominant elements make n_eff depend on the cross terms
-    scale = torch.ones(64, 32)
+    scale = torch.ones(rows, 32)
     scale[0, :4] = 30.0
-    noisy = [(ref.float() + 1e-2 * scale * torch.randn(64, 32, generator=g)).to(dtype) for _ in range(4)]
+    noisy = [(ref.float() + 1e-2 * scale * torch.randn(rows, 32, generator=g)).to(dtype) for _ in range(4)]
     work = work_dtype(dtype)
     dev = DeviationOf(ref.to(work), dtype, phase)
     whole = deviation_threshold([dev(n) for n in noisy])
@@ -46,6 +48,16 @@ def test_moments_give_the_threshold_of_the_whole_samples(dtype, phase):
     assert ours.n_eff == pytest.approx(whole.n_eff, rel=1e-6)
     z, m_sq_wrong = _moments(ref, noisy, phase, factor_c=1.0)
     assert moments_threshold(z, m_sq_wrong).n_eff > 1.2 * whole.n_eff
+
+
+def test_moments_leave_a_float64_deviation_unchanged():
+    d = torch.randn(MOMENT_CHUNK + 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    kept, acc = d.clone(), MomentAccumulator()
+    first, later = acc.moments(("fwd", "x", 0, 0), d), acc.moments(("fwd", "x", 0, 0), d)
+    assert torch.equal(d, kept)
+    z = float(d.square().sum())
+    assert first.tolist() == pytest.approx([z, float(d.pow(4).sum()), 0.0], rel=1e-12)
+    assert later.tolist() == pytest.approx([z, float(d.pow(4).sum()), float(d.pow(4).sum())], rel=1e-12)
 
 
 def test_deviation_zeroes_the_reference_non_finite_positions():
