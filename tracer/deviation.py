@@ -263,18 +263,21 @@ class MomentWriter(TraceWriter):
             self._clean = (step, reader, {entry_key(e): e for e in reader.entries(step, 0)})
         return self._clean[1], self._clean[2].get(key)
 
-    def _kept(self, entry: dict[str, Any], copy: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
+    def _kept(self, entry: dict[str, Any], tensor: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
+        """The moments (and block coordinates) of ``tensor``'s deviation from the clean step,
+        read from the traced tensor itself (no copy of it is kept); ``tensor`` itself where it is
+        stored whole. The entry's statistics are those of what is stored."""
         meta = entry["meta"]
-        if TOPK_META in meta or TOPK_CONSUMER_META in meta or not copy.is_floating_point():
-            return entry, copy  # compared elementwise (tracer.decisions), or exactly (integers)
+        if TOPK_META in meta or TOPK_CONSUMER_META in meta or not tensor.is_floating_point():
+            return entry, tensor  # compared elementwise (tracer.decisions), or exactly (integers)
         step, key = entry["step"], entry_key(entry)
         reader, clean = self._clean_entry(step, key)
         if clean is None or clean["shape"] != entry["shape"]:
-            return entry, copy  # nothing to subtract: stored whole
+            return entry, tensor  # nothing to subtract: stored whole
         ref = reader.load(step, 0, clean["key"])
-        work = work_dtype(ref.dtype, copy.dtype)
+        work = work_dtype(ref.dtype, tensor.dtype)
         dev = DeviationOf(ref.to(work), ref.dtype, entry["phase"])
-        d = dev(copy)
+        d = dev(tensor.to("cpu"))
         values = self.acc.moments(key, d)
         if block_scale_applies(entry["phase"], ref):
             values = torch.cat([values, block_scales(dev.ref, d, work, deviation=True)])

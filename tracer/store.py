@@ -315,28 +315,34 @@ class TraceWriter:
                              step=step, tensor=name)
         key = f"{phase}/{name}/mb{microbatch}/i{index}"
         with torch._C.DisableTorchFunction():  # plain copy and stats even under a TorchFunctionMode
-            # statistics are taken at the flush, a step's tensors at once (tensor_stats_many), from
-            # the full copy, or in stats mode from a copy of a small tensor on its device; a large
-            # one's are taken now, reading it where it is (no copy, and its reductions dominate)
-            if self.mode == "full":
-                copy = tensor.detach().to("cpu", copy=True).contiguous()
-            else:
-                copy = tensor.detach().clone() if tensor.numel() < STATS_CHUNK else tensor.detach()
-            now = self.mode == "stats" and copy.numel() >= STATS_CHUNK
+            view = tensor.detach()
             entry = {"key": key, "name": name, "phase": phase, "step": step,
                      "microbatch": int(microbatch), "index": int(index),
-                     "dtype": _dtype_name(copy.dtype), "shape": list(copy.shape),
-                     "placement": placement, "meta": meta, "stats": tensor_stats(copy) if now else None}
-            stored = self._kept(entry, copy) if self.mode == "full" else (entry, None)
-            entries[index] = _Buffered(*stored, None if now else copy)
+                     "dtype": _dtype_name(view.dtype), "shape": list(view.shape),
+                     "placement": placement, "meta": meta, "stats": None}
+            # statistics are taken at the flush, a step's tensors at once (tensor_stats_many), from
+            # what a full trace stores, or in stats mode from a copy of a small tensor on its device;
+            # a large one's are taken now, reading it where it is (no copy, and its reductions dominate)
+            if self.mode == "full":
+                entry, stored = self._kept(entry, view)
+                if stored is view:
+                    stored = view.to("cpu", copy=True).contiguous()
+                entries[index] = _Buffered(entry, stored, stored)
+            elif view.numel() < STATS_CHUNK:
+                entries[index] = _Buffered(entry, None, view.clone())
+            else:
+                entry["stats"] = tensor_stats(view)
+                entries[index] = _Buffered(entry, None, None)
         return key
 
-    def _kept(self, entry: dict[str, Any], copy: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
-        """What a full-mode trace stores for a traced tensor: its entry and its copy (a subclass
-        may store something derived from it, described by the entry it returns). Runs with
-        torch functions disabled, as the copy does: a mode of the traced run (e.g. a noise
-        injector) must not see this arithmetic."""
-        return entry, copy
+    def _kept(self, entry: dict[str, Any], tensor: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
+        """What a full-mode trace stores for a traced tensor: its entry and ``tensor`` itself, the
+        traced tensor (detached, where it lives), of which the writer then stores a CPU copy; a
+        subclass may return something derived from it instead, a CPU tensor the writer stores as
+        it is, described by the entry it returns (the entry's statistics are taken of what is
+        stored). Runs with torch functions disabled, as the copy does: a mode of the traced run
+        (e.g. a noise injector) must not see this arithmetic."""
+        return entry, tensor
 
     def pending_steps(self) -> list[int]:
         """Steps with buffered tensors not yet flushed."""
