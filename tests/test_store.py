@@ -155,6 +155,29 @@ def test_disk_full_leaves_no_partial_file(tmp_path, monkeypatch, fail_at):
     assert sorted(os.listdir(tmp_path / "step_000007")) == ["rank_00001.json", "rank_00001.safetensors"]
 
 
+def test_tensor_file_pages_dropped_after_fsync(tmp_path, monkeypatch):
+    """The tensor file's pages leave the page cache only once they are on disk (after its
+    fsync, on the same file), and a filesystem that refuses the advice fails nothing."""
+    calls = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (calls.append(("fsync", os.fstat(fd).st_ino)), real_fsync(fd)))
+
+    def refused(fd, offset, length, advice):
+        calls.append(("fadvise", os.fstat(fd).st_ino, offset, length, advice))
+        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+
+    monkeypatch.setattr(os, "posix_fadvise", refused, raising=False)
+    w = TraceWriter(tmp_path, 0, 1, LAYOUT, SIG)
+    x = torch.randn(64)
+    key = w.add("w", x, phase="grad", step=0)
+    w.flush_step(0)
+    ino = os.stat(tensor_path(tmp_path, 0, 0)).st_ino
+    advice = [c for c in calls if c[0] == "fadvise"]
+    assert advice == [("fadvise", ino, 0, 0, os.POSIX_FADV_DONTNEED)]  # the tensor file only
+    assert calls.index(("fsync", ino)) < calls.index(advice[0])
+    assert torch.equal(TraceReader(tmp_path).load(0, 0, key), x)
+
+
 def _trace_of(root, step, rank=0):
     """A flushed step as plain data: its manifest entries and tensors, for comparing writers."""
     r = TraceReader(root)

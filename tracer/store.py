@@ -11,8 +11,9 @@ The manifest is the commit marker: it is written *after* the tensor file, so a
 rank/step is present exactly when its manifest is. Every file is written to a
 temporary name in the same directory, fsync'ed and moved in place with
 ``os.replace``, so a crash or a full disk never leaves a partial file under a final
-name. Only JSON and safetensors are read back -- never pickle -- and safetensors
-keeps the dtype, so bf16 and fp8 tensors round-trip bit-exactly.
+name; a tensor file's pages are then dropped from the page cache
+(``_drop_cached_pages``). Only JSON and safetensors are read back -- never pickle -- and
+safetensors keeps the dtype, so bf16 and fp8 tensors round-trip bit-exactly.
 
 Each entry carries statistics (norm, absmax, mean, quantiles over the finite
 values, NaN and Inf counts). In ``mode="stats"`` only the manifests are written,
@@ -173,12 +174,34 @@ def _write_safetensors_atomic(path: Path, tensors: dict[str, torch.Tensor],
             raise OSError(number, os.strerror(number)) from exc
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+            _drop_cached_pages(f.fileno())
         size = os.path.getsize(tmp)
         os.replace(tmp, path)
         return size
     except BaseException:
         _unlink_quietly(Path(tmp))
         raise
+
+
+def _drop_cached_pages(fd: int) -> None:
+    """Evict a written, fsync'ed file's pages from the page cache (best effort).
+
+    A trace file is written once per step and read later, often elsewhere; kept cached it
+    grows the page cache by the trace's size every step, and the pages its writes need are
+    then fresh memory rather than the ones the last step's file just released. Measured
+    on this project's machines (a microVM whose fresh memory is first touched at
+    ~0.47 GB/s): writing 800 MB took 1.7-2.3 s with the previous files cached and 0.17 s
+    after ``POSIX_FADV_DONTNEED``, fsync 0.35 s either way. The price is paid by a
+    comparison that reads the file at once on the same machine: from the disk instead of
+    memory (800 MB: 0.81 s instead of 0.11 s here). The pages are clean after the fsync,
+    so they are dropped, not written again. No-op where ``posix_fadvise`` is missing
+    (macOS, Windows) or refused.
+    """
+    if hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
 
 
 def _unlink_quietly(path: Path) -> None:
