@@ -1,5 +1,6 @@
 """Statistics of traced tensors (tracer/stats.py): one at a time and a step's worth at once."""
 import json
+import math
 
 import numpy as np
 import pytest
@@ -35,6 +36,33 @@ def test_stats_subsample_and_nonfinite():
     json.dumps(s, allow_nan=False)  # strict JSON
     s = tensor_stats(torch.full((3,), float("nan")))
     assert s["norm"] is None and s["nan_count"] == 3
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64,
+                                   torch.float8_e4m3fn, torch.int32, torch.bool])
+@pytest.mark.parametrize("poison", [None, "nan", "inf"])
+def test_chunked_statistics_match_an_exact_reference(dtype, poison):
+    """Several chunks (the last one short), every dtype path (widened into the buffer, read in
+    place as float64, extremes widened chunk by chunk for FP8/int/bool), and a NaN or an Inf in
+    a middle chunk while the largest magnitude sits in another: the statistics of the finite
+    elements, against math.fsum over the exact float64 values."""
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(2500, generator=g) * 4).to(dtype) if dtype.is_floating_point else \
+        (torch.randint(-50, 50, (2500,), generator=g).to(dtype))
+    x[2100] = 100 if dtype != torch.bool else True  # the largest magnitude, in the last chunk
+    if poison and dtype.is_floating_point and dtype != torch.float8_e4m3fn:
+        x[1200] = float(poison)
+    s = tensor_stats(x, chunk=1000)
+    v = x.to(torch.float64)
+    finite = v[torch.isfinite(v)].tolist()
+    assert s["finite_count"] == len(finite) and s["absmax"] == max(map(abs, finite))
+    assert s["norm"] == pytest.approx(math.sqrt(math.fsum(f * f for f in finite)), rel=1e-13)
+    assert s["mean"] == pytest.approx(math.fsum(finite) / len(finite), rel=1e-12, abs=1e-15)
+    one = tensor_stats(x, chunk=len(x))  # one chunk: the same statistics up to rounding
+    assert one["norm"] == pytest.approx(s["norm"], rel=1e-14) and one["mean"] == pytest.approx(s["mean"], rel=1e-13)
+    assert {k: v for k, v in one.items() if k not in ("norm", "mean")} == \
+        {k: v for k, v in s.items() if k not in ("norm", "mean")}
+    json.dumps(s, allow_nan=False)
 
 
 @pytest.mark.parametrize("n", [1, 2, 7, 1000, 1024])
