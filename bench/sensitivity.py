@@ -209,9 +209,12 @@ def peer_flags(cand: torch.Tensor, ref: torch.Tensor, bound: float) -> dict[str,
 
 
 # ----------------------------------------------------------------------------- traces
-def ensure_traces(root: Path, dtype: str, *, steps: int, seed: int, noise_samples: int, log=print) -> Path:
-    """The reference and clean candidate traces under ``root/<dtype>`` (traced once, then reused)."""
-    out = root / dtype
+def ensure_traces(root: Path, dtype: str, *, steps: int, seed: int, noise_samples: int, resync: bool = False,
+                  log=print) -> Path:
+    """The reference and clean candidate traces under ``root/<dtype>`` (``root/<dtype>-resync``
+    with the reference re-synchronised to the candidate at every step: :mod:`tracer.resync`),
+    traced once, then reused."""
+    out = root / (dtype + ("-resync" if resync else ""))
     if (out / "ref" / "run.json").is_file() and (out / "cand_clean" / "run.json").is_file():
         log(f"  {dtype}: reusing traces under {out}")
         return out
@@ -220,7 +223,7 @@ def ensure_traces(root: Path, dtype: str, *, steps: int, seed: int, noise_sample
         f"{CANDIDATE} for {steps} steps into {out} ...")
     # the samples whole: the coherent scale of each sample is reported (column `legit scale`)
     trace_runs(out, steps=steps, seed=seed, dtype=dtype, bug=None, noise_samples=noise_samples,
-               noise_store="tensors", log=log)
+               noise_store="tensors", resync=resync, log=log)
     return out
 
 
@@ -743,6 +746,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--noise-samples", type=int, default=4)
+    ap.add_argument("--resync", action="store_true",
+                    help="re-synchronise the reference to the candidate at every step (tracer.resync): each step "
+                         "compares one step of the candidate against one step of the reference")
     ap.add_argument("--validate", action="store_true",
                     help="also re-run the full comparison at our delta x 1.05 and / 1.05 for the first "
                          "gradient and the first activation target of each dtype (slow)")
@@ -754,7 +760,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"sensitivity: {len(TARGETS)} tensors x {len(METHODS)} methods, dtypes {a.dtypes}")
     for dtype in a.dtypes.split(","):
         t = time.perf_counter()
-        d = ensure_traces(root, dtype, steps=a.steps, seed=a.seed, noise_samples=a.noise_samples)
+        d = ensure_traces(root, dtype, steps=a.steps, seed=a.seed, noise_samples=a.noise_samples, resync=a.resync)
         spent = time.perf_counter() - t
         trace_s += spent if spent > 1.0 else 0.0  # reusing cached traces takes milliseconds
         rs, comparisons[dtype], census[dtype] = run_dtype(d, dtype, TARGETS)

@@ -23,6 +23,13 @@ contributes, the reduced grads, the grad norm and the updated parameters). It is
 *localised*: a forward output whose module's inputs all agree is a wrong module; a reduced
 grad whose per-rank contributions agree is a wrong reduction; an updated parameter whose
 reduced grad agrees is a wrong optimizer step (:func:`localise`).
+
+An optimizer's state (phases ``main_param``, ``exp_avg``, ``exp_avg_sq``, recorded for a
+reference that re-synchronises to the candidate, :mod:`tracer.resync`) is not compared: Adam
+moves an element whose gradient is within round-off of zero by ``+-lr`` at random, and where
+the candidate's split reduction biases a gradient (the sum over every token of a 1-D parameter's
+gradient, :mod:`tracer.blockscale`) the noise samples do not sample those flips. The updated
+parameters themselves are compared (phase ``param``).
 """
 from __future__ import annotations
 
@@ -44,7 +51,7 @@ from tracer.deviation import (DEVIATION_FIELD, DeviationOf, Key, SampleMoments, 
                               stored_rounded, work_dtype)
 from tracer.difference import difference_norms
 from tracer.errors import IncomparableRunsError, TraceError
-from tracer.store import TraceReader
+from tracer.store import OPTIMIZER_STATE_PHASES, TraceReader
 from tracer.thresholds import (DEFAULT_FALSE_ALARM, deviation_threshold, moments_threshold, noise_threshold,
                                unmodelled_threshold)
 
@@ -141,6 +148,11 @@ def _index_by_key(reader: TraceReader, step: int) -> dict[Key, dict[int, dict[st
         for e in reader.entries(step, rank):
             out[entry_key(e)][rank] = e
     return out
+
+
+def _compared(reader: TraceReader, step: int) -> dict[Key, dict[int, dict[str, Any]]]:
+    """:func:`_index_by_key` without the optimizer's state (not compared: module docstring)."""
+    return {k: v for k, v in _index_by_key(reader, step).items() if k[0] not in OPTIMIZER_STATE_PHASES}
 
 
 def _full(reader: TraceReader, step: int, entries: dict[int, dict[str, Any]], name: str
@@ -472,7 +484,7 @@ def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str
         ref.validate([s])
     plan = []
     for s in wanted:
-        ref_idx, cand_idx = _index_by_key(ref, s), _index_by_key(cand, s)
+        ref_idx, cand_idx = _compared(ref, s), _compared(cand, s)
         noise_idx = [_index_by_key(n, s) if s in n.steps() else {} for n in noisy_readers]
         for k in sorted(set(ref_idx) ^ set(cand_idx)):
             unmatched.append(f"step {s} {k[0]} {k[1]} mb {k[2]}: only in the "

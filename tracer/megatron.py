@@ -22,7 +22,8 @@ checker needs from Megatron's own metadata, never from the user:
   ranks so that DP replicas of a layer are told apart), ``loss``, ``grad_local`` (the
   ``main_grad`` each rank contributes to the reduction, i.e. scaled by megatron's
   ``1/dp`` factor, before ``finalize_model_grads``), ``grad`` (after it), ``grad_norm`` and
-  ``param`` (after ``optimizer.step()``).
+  ``param`` (after ``optimizer.step()``); with capture ``optim`` also each param's fp32 main
+  copy and Adam moments (``main_param``, ``exp_avg``, ``exp_avg_sq``: :mod:`tracer.resync`).
 
 Usage (inside the training loop of every rank; see docs/tracing.md)::
 
@@ -47,10 +48,10 @@ from torch import nn
 
 from tracer.canonical import Placement, ShardDim, layer_offset, renumber
 from tracer.hooks import Tracer
-from tracer.store import TraceWriter
+from tracer.store import OPTIMIZER_STATE_PHASES, TraceWriter
 
-__all__ = ["ACTIVATION_RULES", "MegatronTracer", "injector_models", "noise_policy", "parallel_layout", "reference_noise",
-           "unwrap"]
+__all__ = ["ACTIVATION_RULES", "ADAM_MOMENTS", "DEFAULT_CAPTURE", "MegatronTracer", "injector_models",
+           "main_param_and_state", "noise_policy", "parallel_layout", "reference_noise", "unwrap"]
 
 #: Role of each traced tensor of a module class -> how it is split over TP.
 #: Values: ``"seq"`` (dim 0 split over TP under sequence parallelism, else replicated),
@@ -72,6 +73,8 @@ ACTIVATION_RULES: dict[str, dict[str, Any]] = {
     "MLP": {"input.0": "seq", "output.0": "seq", "*": "rep"},
     "TransformerLayer": {"input.hidden_states": "seq", "output.0": "seq", "*": "rep"},
 }
+#: what :class:`MegatronTracer` records by default (``optim``, the optimizer's state, is opt-in)
+DEFAULT_CAPTURE = ("fwd_in", "fwd_out", "bwd_out", "grad_local", "grad", "param")
 _NORMS = ("LayerNorm", "RMSNorm", "WrappedTorchNorm", "FusedLayerNorm", "TENorm")
 #: No-op modules of the local spec (q/k norms, cross attention of a decoder-only model).
 _SKIPPED_CLASSES = ("IdentityOp", "IdentityFuncOp", "Dropout",
@@ -125,22 +128,27 @@ class MegatronTracer:
         include, exclude: ``fnmatch`` patterns on local module names (as
             :class:`~tracer.hooks.Tracer`; with several chunks, prefixed by the chunk's index,
             ``"1.decoder.layers.0"``); no-op modules (identity ops, dropout) are excluded.
-        capture: subset of ``fwd_in fwd_out bwd_out bwd_in grad_local grad param``.
+        capture: subset of ``fwd_in fwd_out bwd_out bwd_in grad_local grad param optim``;
+            ``optim``: after the optimizer step, each param's fp32 main copy and Adam moments
+            (phases ``main_param``, ``exp_avg``, ``exp_avg_sq``; needs ``optimizer``), the state a
+            reference re-synchronised to this run loads (:mod:`tracer.resync`).
         num_microbatches: microbatches per step on this rank (numbers the microbatches
             of DP rank ``r`` from ``r * num_microbatches``; every chunk sees them in order).
         vpp_chunk: the virtual pipeline chunk a single ``model`` is (None without VPP).
+        optimizer: the run's megatron-core optimizer (needed by capture ``optim`` only).
     """
 
     def __init__(self, model: nn.Module | Sequence[nn.Module], config: Any, writer: TraceWriter, *,
                  include: Sequence[str] = ("*",), exclude: Sequence[str] = (),
-                 capture: Sequence[str] = ("fwd_in", "fwd_out", "bwd_out", "grad_local", "grad", "param"),
-                 num_microbatches: int = 1, vpp_chunk: int | None = None) -> None:
+                 capture: Sequence[str] = DEFAULT_CAPTURE,
+                 num_microbatches: int = 1, vpp_chunk: int | None = None, optimizer: Any = None) -> None:
         self.ddps = list(model) if isinstance(model, (list, tuple)) else [model]
         self.chunks = [unwrap(m) for m in self.ddps]
         # several chunks are traced as the children "0", "1", ... of one container
         self.model = self.chunks[0] if len(self.chunks) == 1 else nn.ModuleList(self.chunks)
         self.config = config
         self.writer = writer
+        self.optimizer = optimizer
         self.par = parallel_layout()
         self.sp = bool(getattr(config, "sequence_parallel", False))
         self.capture = set(capture)
@@ -198,6 +206,11 @@ class MegatronTracer:
         c, inner = self._chunk(local)
         tied = inner == "output_layer.weight" and getattr(self.chunks[c], "share_embeddings_and_output_weights", False)
         return ("embedding.word_embeddings.weight" if tied else self.canonical_name(local)), tied
+
+    def canonical_params(self) -> list[tuple[str, torch.Tensor]]:
+        """(canonical name, parameter) of every traced parameter; the tied output-layer copy of
+        the word embeddings is listed under the embeddings' name."""
+        return [(self._param_name(local)[0], p) for local, p in self.params.items()]
 
     # placements -------------------------------------------------------------------
     def _rule_dims(self, rule: Any, t: torch.Tensor) -> list[ShardDim]:
@@ -280,13 +293,17 @@ class MegatronTracer:
                 rng = self._distopt_range(p)
                 if rng is None:
                     continue
-                pl = Placement.from_dict(placement)
-                dims = [d for d in pl.dims if d.group != "dp"]
-                dims.append(ShardDim(None, "dp", self.par["dp_rank"], self.par["dp"], "flat_shard",
-                                     start=rng[0], end=rng[1], shape=tuple(p.shape)))
-                placement = Placement(tuple(dims)).to_dict()
+                placement = self._flat_shard(placement, rng, p)
                 g = g.reshape(-1)[rng[0]:rng[1]]
             self.tracer.record(name, g, phase, placement=placement, meta=meta)
+
+    def _flat_shard(self, placement: dict[str, Any], rng: tuple[int, int], p: torch.Tensor) -> dict[str, Any]:
+        """``placement`` with its DP replication replaced by this rank's flat range ``rng`` of
+        ``p`` (the distributed optimizer's shard of a reduced grad, main param or moment)."""
+        dims = [d for d in Placement.from_dict(placement).dims if d.group != "dp"]
+        dims.append(ShardDim(None, "dp", self.par["dp_rank"], self.par["dp"], "flat_shard",
+                             start=rng[0], end=rng[1], shape=tuple(p.shape)))
+        return Placement(tuple(dims)).to_dict()
 
     def _finalize(self, *args: Any, **kwargs: Any) -> Any:
         if self.tracer.active and "grad_local" in self.capture:
@@ -337,6 +354,28 @@ class MegatronTracer:
                 name, _ = self._param_name(local)
                 self.tracer.record(name, p, "param", placement=self.param_placement(local, p, "param"),
                                    meta={"param": local})
+        if "optim" in self.capture:
+            self._record_optimizer_state()
+
+    def _record_optimizer_state(self) -> None:
+        """Record each parameter's fp32 main copy (phase ``main_param``) and Adam moments
+        (``exp_avg``, ``exp_avg_sq``), in the param's own shape, or as this rank's flat range of
+        it under the distributed optimizer with DP > 1 (what :mod:`tracer.resync` loads)."""
+        if self.optimizer is None:
+            raise ValueError("capture 'optim' records the optimizer's state: pass MegatronTracer(..., optimizer=...)")
+        for local, p in self.params.items():
+            found = main_param_and_state(self.optimizer, p)
+            if found is None:  # none of p in this rank's shard of the distributed optimizer
+                continue
+            tensors, rng = found
+            name, _ = self._param_name(local)
+            placement = self.param_placement(local, p, "param")
+            whole = rng is None or self.par["dp"] == 1  # else: a flat range, maybe all of p, on this DP rank
+            if not whole:
+                placement = self._flat_shard(placement, rng, p)
+            for phase, t in tensors.items():
+                self.tracer.record(name, t.view(p.shape) if whole else t, phase, placement=placement,
+                                   meta={"param": local})
 
     def _all_replicas(self) -> dict[str, Any]:
         dims = [ShardDim(None, g, self.par[f"{g}_rank"], self.par[g], "replicated")
@@ -360,6 +399,42 @@ class MegatronTracer:
         """Remove the hooks and restore ``config.finalize_model_grads_func``."""
         self.tracer.remove()
         self.config.finalize_model_grads_func = self._orig_finalize
+
+
+#: Adam's per-parameter state tensors (torch's names) traced by capture ``optim``
+ADAM_MOMENTS = OPTIMIZER_STATE_PHASES[1:]
+
+
+def main_param_and_state(optimizer: Any, p: torch.Tensor) -> tuple[dict[str, torch.Tensor], tuple[int, int] | None] | None:
+    """The fp32 main copy of model parameter ``p`` and its Adam moments in a megatron-core
+    optimizer: ``({"main_param": t, "exp_avg": m, "exp_avg_sq": v}, rng)`` with the live
+    tensors (the moments only once the optimizer has stepped). ``rng``: under the distributed
+    optimizer, the range ``[start, end)`` of ``p``'s flattened elements this rank holds (the
+    tensors are that flat range); None otherwise (the tensors have ``p``'s elements).
+    None when a distributed optimizer holds none of ``p`` on this rank (it knows only its own
+    ranges, so a param of none of its groups is None too).
+
+    Covers ``DistributedOptimizer`` (megatron's own ``_get_main_param_and_optimizer_states``),
+    ``Float16OptimizerWithFloat16Params`` (``p.main_param``), ``FP32Optimizer`` (``p`` itself)
+    and a ``ChainedOptimizer`` of them."""
+    distributed = False
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        if hasattr(opt, "_get_main_param_and_optimizer_states"):  # the distributed optimizer
+            distributed = True
+            if p not in opt.model_param_group_index_map:  # this rank's ranges only
+                continue
+            state = dict(opt._get_main_param_and_optimizer_states(p))
+            r = opt._get_model_param_range_map(p)["param"]
+            return {"main_param": state["param"], **{k: state[k] for k in ADAM_MOMENTS if k in state}}, (r.start, r.end)
+        main = getattr(p, "main_param", None)
+        main = p if main is None else main
+        inner = getattr(opt, "optimizer", opt)
+        if any(q is main for g in inner.param_groups for q in g["params"]):
+            state = inner.state.get(main, {})
+            return {"main_param": main, **{k: state[k] for k in ADAM_MOMENTS if k in state}}, None
+    if distributed:
+        return None
+    raise ValueError(f"parameter of shape {tuple(p.shape)} is in none of the optimizer's param groups")
 
 
 # reference side: what the noise samples must model --------------------------------------------

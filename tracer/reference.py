@@ -6,7 +6,9 @@ then ``S`` times under :class:`ttrace_num.propagate.noise.NoiseInjector` (every 
 perturbed by its probabilistic local bound for the difference between the reference's and
 the candidate's computation models), each traced into ``root/noise/sample_<i>``. Each sample is its own trajectory: it continues from its own model and
 optimizer state of the previous step, so its deviations include those propagated from
-earlier steps, as a candidate's do. :mod:`tracer.thresholds` turns the samples into
+earlier steps, as a candidate's do (or, with ``restart=True`` for a reference re-synchronised
+to its candidate at every step, :mod:`tracer.resync`, each sample starts every step from the
+clean state before it). :mod:`tracer.thresholds` turns the samples into
 per-tensor thresholds; :func:`tracer.check.compare` finds them under ``root/noise``.
 
 The state of a step (model parameters and buffers, the optimizer's parameters -- the fp32 main
@@ -101,6 +103,9 @@ class NoiseSampler:
             (:mod:`tracer.deviation`; needs the reference traced in full mode); ``"tensors"``:
             the sample's tensors whole (for analyses beyond the thresholds, e.g.
             ``bench.sensitivity``), S times the reference's trace on disk.
+        restart: every sample starts each step from the state before the clean step instead of
+            continuing its own trajectory: for a reference re-synchronised to its candidate at
+            every step (:mod:`tracer.resync`), whose thresholds then cover one step's round-off.
         clean_writer: the reference's own writer, when it writes in the background
             (``TraceWriter(background=True)``): the samples wait for the clean step to be on
             disk (moments are taken against it) before they run.
@@ -109,7 +114,7 @@ class NoiseSampler:
     def __init__(self, model: torch.nn.Module, optimizer: Any, root: str | Path, *, layout: dict[str, Any],
                  signature: str, samples: int = 4, seed: int = 0, injector_kwargs: dict[str, Any] | None = None,
                  custom_functions: Sequence[type] = (), reuse_amplitudes: bool = True, store: str = "moments",
-                 clean_writer: TraceWriter | None = None) -> None:
+                 clean_writer: TraceWriter | None = None, restart: bool = False) -> None:
         if samples < 1:
             raise ValueError("need at least one noise sample")
         if store not in ("moments", "tensors"):
@@ -119,6 +124,7 @@ class NoiseSampler:
         self.injector_kwargs = {"mode": "probabilistic", **(injector_kwargs or {})}
         self.custom_functions = tuple(custom_functions)
         self.clean_writer = clean_writer
+        self.restart = bool(restart)
         self.reuse_amplitudes = reuse_amplitudes
         self.amplitude_hits = self.amplitude_patched = self.amplitude_misses = 0  # over all steps, for reports
         #: wall seconds of each sample (state restore, the traced step, the snapshot), per step:
@@ -142,7 +148,7 @@ class NoiseSampler:
         state after it."""
         from ttrace_num.propagate.memo import AmplitudeMemo
         from ttrace_num.propagate.noise import NoiseInjector, perturb_custom_backward
-        if not self.states:  # the first step: every sample starts from the state before it
+        if not self.states or self.restart:  # every sample starts from the state before the step
             self.states = [StateSnapshot(self.model, self.optimizer)] * len(self.writers)
         out = traced_step(None)
         if self.clean_writer is not None:
@@ -161,7 +167,8 @@ class NoiseSampler:
             inj = NoiseInjector(gen, memo=memo, **self.injector_kwargs)
             with inj, perturb_custom_backward(inj, *self.custom_functions):
                 traced_step(w)
-            self.states[i] = StateSnapshot(self.model, self.optimizer, take_state=True)  # a restore follows
+            if not self.restart:  # the sample's trajectory goes on from here next step
+                self.states[i] = StateSnapshot(self.model, self.optimizer, take_state=True)  # a restore follows
             seconds.append(time.perf_counter() - t0)
         self.sample_seconds.append(seconds)
         if self.moments is not None:

@@ -39,27 +39,47 @@ def _trace_worker(rank: int, world: int, jobs: list[dict]) -> list[dict]:
 
 
 def trace_runs(out: Path, *, steps: int, seed: int, dtype: str, bug: str | None, noise_samples: int,
-               candidate: dict = CANDIDATE, noise_store: str = "moments", log=print) -> dict[str, dict]:
+               candidate: dict = CANDIDATE, noise_store: str = "moments", resync: bool = False,
+               log=print) -> dict[str, dict]:
     """Trace the reference and the candidate(s) into ``out/{ref,cand_clean,cand_bug}``;
-    ``noise_store``: how the reference's noise samples are stored (``tracer.reference.NoiseSampler``)."""
-    t = time.perf_counter()
-    ref = run_gloo(_trace_worker, 1, [{"layout": {"tp": 1, "pp": 1, "dp": 1}, "steps": steps, "seed": seed,
-                                       "dtype": dtype, "trace": {"root": str(out / "ref"),
-                                                                 "noise_samples": noise_samples,
-                                                                 "noise_store": noise_store,
-                                                                 "noise_tp": candidate["tp"]}}])[0][0]
-    log(f"  reference traced ({noise_samples} noise samples): {time.perf_counter() - t:.1f} s")
-    jobs = [{"layout": candidate, "steps": steps, "seed": seed, "dtype": dtype,
-             "trace": {"root": str(out / "cand_clean")}}]
-    if bug:
-        jobs.append({**jobs[0], "trace": {"root": str(out / "cand_bug")}, "bug": bug})
-    t = time.perf_counter()
+    ``noise_store``: how the reference's noise samples are stored (``tracer.reference.NoiseSampler``).
+
+    ``resync``: the reference is re-synchronised to each candidate at every step
+    (:mod:`tracer.resync`): the candidates run first and also trace their optimizer state
+    (capture ``optim``, which the comparison does not compare), then one reference per candidate (``out/ref`` for the clean one,
+    ``out/ref_bug`` for the buggy one) starts every step from that candidate's state."""
     world = candidate["tp"] * candidate["pp"] * candidate["dp"]
-    cand = run_gloo(_trace_worker, world, jobs)[0]
-    log(f"  candidate(s) traced on {world} gloo ranks: {time.perf_counter() - t:.1f} s")
-    runs = {"ref": ref, "cand_clean": cand[0]}
+    from tracer.megatron import DEFAULT_CAPTURE
+    capture = {"capture": DEFAULT_CAPTURE + ("optim",)} if resync else {}
+    ref_job = {"layout": {"tp": 1, "pp": 1, "dp": 1}, "steps": steps, "seed": seed, "dtype": dtype}
+    ref_trace = {"noise_samples": noise_samples, "noise_store": noise_store, "noise_tp": candidate["tp"]}
+    cand_jobs = {"cand_clean": {"layout": candidate, "steps": steps, "seed": seed, "dtype": dtype,
+                                "trace": {"root": str(out / "cand_clean"), **capture}}}
     if bug:
-        runs["cand_bug"] = cand[1]
+        cand_jobs["cand_bug"] = {**cand_jobs["cand_clean"], "trace": {"root": str(out / "cand_bug"), **capture},
+                                 "bug": bug}
+    refs = {"ref": "cand_clean", "ref_bug": "cand_bug"} if resync else {"ref": None}
+
+    def run_refs() -> dict[str, dict]:
+        runs = {}
+        for ref, cand in refs.items():
+            if cand is not None and cand not in cand_jobs:
+                continue
+            t = time.perf_counter()
+            sync = {"resync_from": str(out / cand)} if cand else {}
+            runs[ref] = run_gloo(_trace_worker, 1, [{**ref_job, "trace": {"root": str(out / ref), **ref_trace,
+                                                                           **sync}}])[0][0]
+            log(f"  reference traced ({noise_samples} noise samples{', re-synchronised to ' + cand if cand else ''})"
+                f": {time.perf_counter() - t:.1f} s")
+        return runs
+
+    runs = {} if resync else run_refs()
+    t = time.perf_counter()
+    cand = run_gloo(_trace_worker, world, list(cand_jobs.values()))[0]
+    log(f"  candidate(s) traced on {world} gloo ranks: {time.perf_counter() - t:.1f} s")
+    runs.update(zip(cand_jobs, cand))
+    if resync:
+        runs.update(run_refs())
     return runs
 
 

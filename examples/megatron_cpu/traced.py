@@ -14,8 +14,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from tracer.megatron import MegatronTracer, reference_noise
+from tracer.megatron import DEFAULT_CAPTURE, MegatronTracer, reference_noise
 from tracer.reference import NoiseSampler
+from tracer.resync import candidate_state, load_state
 from tracer.store import TraceWriter
 
 __all__ = ["TracedRun"]
@@ -24,8 +25,10 @@ __all__ = ["TracedRun"]
 class TracedRun:
     """One rank's tracing of a harness run: ``trace = {"root": dir, "mode": "full"|"stats",
     "background": bool, "noise_samples": S, "noise_tp": T, "noise_seed": k, "reuse_amplitudes": bool,
-    "capture": [...]}``; ``S > 0`` only on the single-process reference; ``background``: the
-    writer writes each step on a thread of its own (``TraceWriter(background=True)``)."""
+    "capture": [...], "resync_from": dir}``; ``S > 0`` only on the single-process reference;
+    ``background``: the writer writes each step on a thread of its own
+    (``TraceWriter(background=True)``); ``resync_from``: the candidate's trace (captured with
+    ``optim``, full mode) this reference re-synchronises to at every step (:mod:`tracer.resync`)."""
 
     def __init__(self, trace: dict, model: Any, config: Any, optimizer: Any, *,
                  layout: dict, dtype: str, num_microbatches: int, signature: str) -> None:
@@ -37,9 +40,9 @@ class TracedRun:
             lay["vpp"] = int(layout["vpp"])
         self.writer = TraceWriter(self.root, rank, world, lay, signature, mode=trace.get("mode", "full"),
                                   run_id=str(trace.get("run_id", "")), background=bool(trace.get("background", False)))
-        self.mt = MegatronTracer(model, config, self.writer, num_microbatches=num_microbatches,
-                                 capture=trace.get("capture", ("fwd_in", "fwd_out", "bwd_out", "grad_local",
-                                                               "grad", "param")))
+        self.resync_from = trace.get("resync_from")
+        self.mt = MegatronTracer(model, config, self.writer, num_microbatches=num_microbatches, optimizer=optimizer,
+                                 capture=trace.get("capture", DEFAULT_CAPTURE))
         self.sampler = None
         samples = int(trace.get("noise_samples", 0))
         if samples:
@@ -49,12 +52,17 @@ class TracedRun:
                                         samples=samples, seed=int(trace.get("noise_seed", 0)),
                                         reuse_amplitudes=bool(trace.get("reuse_amplitudes", True)),
                                         store=str(trace.get("noise_store", "moments")), clean_writer=self.writer,
+                                        restart=self.resync_from is not None,
                                         **reference_noise(int(trace.get("noise_tp", 2)), dtype))
 
     def step(self, step: int, forward_backward: Callable, forward_step: Callable) -> tuple[float, list]:
         """Run (and trace) one step: ``forward_backward(step_fn)`` runs megatron's schedule
         with ``step_fn`` as ``forward_step_func`` and returns its microbatch losses; then the
-        optimizer steps. Returns the grad norm and the clean run's microbatch losses."""
+        optimizer steps. Returns the grad norm and the clean run's microbatch losses.
+        Re-synchronised (``resync_from``), step ``t >= 1`` starts from the candidate's state at the
+        end of step ``t - 1`` (:mod:`tracer.resync`)."""
+        if self.resync_from is not None and step > 0:
+            load_state(self.optimizer, self.mt.canonical_params(), candidate_state(self.resync_from, step - 1))
         fwd = self.mt.wrap_forward_step(forward_step)
 
         def traced_step(writer: TraceWriter | None = None):

@@ -1,0 +1,109 @@
+"""Re-synchronising a reference to its candidate at every step (per-step comparison).
+
+A reference that runs its own trajectory compares step ``t`` of the candidate against a run
+whose parameters have drifted from the candidate's by ``t`` steps of legitimate round-off,
+amplified by the optimizer: Adam's update ``m / (sqrt(v) + eps)`` is ``sign(g)`` times the
+learning rate at the first step, so an element whose gradient is within round-off of zero
+moves by ``2 lr`` in one run and not in the other. The thresholds must then cover that drift
+(the noise samples follow their own trajectories to sample it), and a corruption at step 2
+must stand out of three steps' worth of drift.
+
+Re-synchronised, the reference starts every step ``t >= 1`` from the candidate's state at the
+end of step ``t - 1``: its fp32 main parameters and Adam moments, as the candidate traced them
+(capture ``optim`` of :class:`tracer.megatron.MegatronTracer`, full mode), assembled to full
+tensors (:mod:`tracer.canonical`) and written into the reference's optimizer; the model's
+parameters are then cast from the main parameters as the optimizer does after a step. The noise
+samples of the step start from that same state
+(:class:`tracer.reference.NoiseSampler` with ``restart=True``), so each step's thresholds cover
+one step of round-off, and each step's comparison tests one step of the candidate. A bug still
+shows where it acts: the step's tensors it corrupts diverge; the next step starts from the
+candidate's (corrupted) state and tests that step's own computation.
+
+Cost: the reference runs once per candidate (it needs the candidate's trace first), and the
+candidate stores three more tensors per parameter (12 bytes per fp32 element).
+
+    state = candidate_state(candidate_root, step - 1)
+    load_state(optimizer, tracer.canonical_params(), state)   # tracer: the reference's MegatronTracer
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tracer.check import assembled_records
+from tracer.errors import MissingRankError, TraceError
+from tracer.megatron import ADAM_MOMENTS, main_param_and_state
+from tracer.store import OPTIMIZER_STATE_PHASES, TraceReader
+
+__all__ = ["STATE_PHASES", "candidate_state", "load_state"]
+
+#: what a re-synchronised reference loads, per parameter: the main copy and Adam's moments;
+#: ``param`` (the model's copy) is loaded to check the cast
+STATE_PHASES = (*OPTIMIZER_STATE_PHASES, "param")
+
+
+def candidate_state(trace: str | Path, step: int) -> dict[str, dict[str, torch.Tensor]]:
+    """The candidate's optimizer state at the end of ``step``: canonical parameter name ->
+    ``{"main_param", "exp_avg", "exp_avg_sq", "param"}`` full tensors (assembled over ranks).
+
+    Raises :class:`~tracer.errors.TraceError` naming the trace and step when a rank is missing,
+    the step was traced in stats mode, or the trace has no optimizer state (capture ``optim``)."""
+    reader = TraceReader(trace)
+    missing = reader.missing_ranks(step)
+    if missing:
+        raise MissingRankError(f"ranks {missing} have no trace of step {step}: the reference cannot start step "
+                               f"{step + 1} from the candidate's state; re-run the candidate", path=trace, step=step)
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for phase in STATE_PHASES:
+        records = assembled_records(trace, step, phase, 0, "")
+        if not records:
+            raise TraceError(f"no {phase!r} records: trace the candidate with capture 'optim' (its main params and "
+                             "Adam moments) in full mode to re-synchronise a reference to it", path=trace, step=step)
+        for name, t in records.items():
+            out.setdefault(name, {})[phase] = t
+    return out
+
+
+def load_state(optimizer: Any, params: Iterable[tuple[str, torch.Tensor]],
+               state: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Write ``state`` (from :func:`candidate_state`) into a megatron-core ``optimizer`` whose model
+    parameters are ``params`` ((canonical name, parameter) pairs, e.g.
+    :meth:`tracer.megatron.MegatronTracer.canonical_params`; a tied copy appears under its
+    original's name), then cast the main parameters to the
+    model's as the optimizer does after a step, and check the cast against the candidate's own
+    model parameters (bitwise: the same rounding of the same fp32 values).
+
+    Raises ``ValueError`` naming the parameter when the two runs' parameters differ in names or
+    shapes, when the optimizer has not stepped yet (no moments to overwrite), or when the cast
+    disagrees with the candidate's parameter."""
+    params = list(params)
+    missing = sorted({name for name, _ in params} - set(state))
+    if missing:
+        raise ValueError(f"the candidate's state lacks parameters {missing[:5]}{'...' if len(missing) > 5 else ''}: "
+                         "trace every parameter of the candidate (no include/exclude) to re-synchronise")
+    for name, p in params:
+        found = main_param_and_state(optimizer, p)
+        if found is None:
+            continue
+        tensors, rng = found
+        if set(tensors) != {"main_param", *ADAM_MOMENTS}:
+            raise ValueError(f"{name}: the reference's optimizer has no Adam moments yet (it loads the state of a "
+                             "step it has taken itself: re-synchronise from step 1 on)")
+        for phase, dst in tensors.items():
+            src = state[name][phase]
+            if src.shape != p.shape:
+                raise ValueError(f"{name}: the candidate's {phase} has shape {tuple(src.shape)}, the reference's "
+                                 f"parameter {tuple(p.shape)}")
+            src = src.reshape(-1)[rng[0]:rng[1]] if rng is not None else src
+            with torch.no_grad():
+                dst.copy_(src.reshape(dst.shape))
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        if hasattr(opt, "_copy_main_params_to_model_params"):
+            opt._copy_main_params_to_model_params()
+    for name, p in params:
+        if not torch.equal(p.detach(), state[name]["param"].to(p.device)):
+            raise ValueError(f"{name}: the reference's parameter cast from the candidate's main parameter differs "
+                             "from the candidate's own parameter: the two runs cast main parameters differently")
