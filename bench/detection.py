@@ -16,6 +16,10 @@ layouts, and every registered bug caught at the tensor and phase it declares.
   (phase equal, name matching the declared ``fnmatch`` pattern), and replicated copies that
   drifted across ranks are reported.
 * ``all``: both, sharing the launches.
+* ``--resync``: each megatron-core candidate (clean or buggy) gets a reference of its own,
+  re-synchronised to it at every step (:mod:`tracer.resync`: the candidate also traces its
+  optimizer state, then its reference starts every step from that state), run in one world-1
+  launch after the candidates; the plain-PyTorch layouts keep their shared references.
 
 Virtual pipelining (``+vpp2``: 2 model chunks per stage, megatron's interleaved schedule) needs
 4 layers on 2 stages: those layouts run a 4-layer model (:data:`VPP_MODEL`) against their own
@@ -153,6 +157,8 @@ class Job:
     bug: str | None = None
     noise_samples: int = 0
     noise_tp: int = 2
+    resync_from: str | None = None  # a reference re-synchronised to this candidate trace (tracer.resync)
+    optim: bool = False             # a candidate that also traces its optimizer state (capture "optim")
 
     @property
     def world(self) -> int:
@@ -173,6 +179,11 @@ class Job:
         lay = _lay() if self.kind == "ref" else LAYOUTS[self.layout]
         if self.kind == "ref":
             trace.update(noise_samples=self.noise_samples, noise_tp=self.noise_tp)
+        if self.resync_from:
+            trace["resync_from"] = self.resync_from
+        if self.optim:
+            from tracer.megatron import DEFAULT_CAPTURE
+            trace["capture"] = DEFAULT_CAPTURE + ("optim",)
         return {"layout": lay, "steps": self.steps, "seed": self.seed, "dtype": self.dtype, "trace": trace,
                 "bug": self.bug, "model": _model(self.layout)}
 
@@ -292,15 +303,20 @@ def _compare(ref: Path, cand: Path):
     return c, time.perf_counter() - t
 
 
+#: the reference trace of a candidate: (candidate trace, its layout, seed, dtype) -> directory
+ReferenceOf = Callable[[Path, str, int, str], Path]
+
+
 def clean_rows(rows: list[tuple[str, str]], seeds: list[int], steps: int, out: Path,
-               results: dict[str, dict[str, Any]], keep: bool, log: Callable[[str], None]) -> list[CleanRow]:
+               results: dict[str, dict[str, Any]], keep: bool, log: Callable[[str], None],
+               reference: ReferenceOf) -> list[CleanRow]:
     """Compare every traced clean candidate with its reference and aggregate per row."""
     table = []
     for name, dtype in rows:
         row = CleanRow(name, dtype, list(seeds), steps)
         for seed in seeds:
             cand = out / f"clean_{name}_{dtype}_s{seed}"
-            c, dt = _compare(_ref_root(out, seed, dtype, name), cand)
+            c, dt = _compare(reference(cand, name, seed, dtype), cand)
             row.compare_s += dt
             row.trace_s += results[str(cand)]["wall_s"]
             row.tensors += len(c.rows)
@@ -333,7 +349,7 @@ def clean_rows(rows: list[tuple[str, str]], seeds: list[int], steps: int, out: P
 
 
 def bug_rows(placed: list[tuple[str, str]], out: Path, results: dict[str, dict[str, Any]], keep: bool,
-             log: Callable[[str], None]) -> list[BugRow]:
+             log: Callable[[str], None], reference: ReferenceOf) -> list[BugRow]:
     """Compare every traced bug run with its reference; check the declared first divergence."""
     table = []
     for name, lay in placed:
@@ -342,7 +358,7 @@ def bug_rows(placed: list[tuple[str, str]], out: Path, results: dict[str, dict[s
         step = "" if b.expected_step is None else f" (step {b.expected_step})"
         row = BugRow(name, b.catalogue, b.bug_class, lay, dtype, f"{b.expected_phase} {b.expected_name}{step}")
         cand = out / f"bug_{name}"
-        c, row.compare_s = _compare(_ref_root(out, BUG_SEED, dtype, lay), cand)
+        c, row.compare_s = _compare(reference(cand, lay, BUG_SEED, dtype), cand)
         row.trace_s = results[str(cand)]["wall_s"]
         f = c.first
         row.detected = f is not None
@@ -461,6 +477,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtypes", nargs="+", choices=DTYPES, default=None, help=f"default {list(DTYPES)}")
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--noise-samples", type=int, default=NOISE_SAMPLES)
+    ap.add_argument("--resync", action="store_true",
+                    help="megatron-core candidates: a reference of their own, re-synchronised to them at every "
+                         "step (tracer.resync), instead of one shared reference per seed and dtype")
     ap.add_argument("--out", default="out/detection", help="trace directory (replaced)")
     ap.add_argument("--keep-traces", action="store_true", help="keep candidate traces after comparing")
     ap.add_argument("--write", default=None, help="markdown page whose tables are replaced")
@@ -505,28 +524,42 @@ def main(argv: list[str] | None = None) -> int:
     noise_tp = {h: max([LAYOUTS[n]["torch"].tp if "torch" in LAYOUTS[n] else LAYOUTS[n]["tp"]
                         for n, _, _ in cands if n.startswith(TORCH) == (h == "torch")] + [1])
                 for h in ("megatron", "torch")}
-    refs = sorted({(_reference(n), s, d) for n, d, s in cands})
+    def synced(layout: str) -> bool:  # this candidate gets a re-synchronised reference of its own
+        return a.resync and not layout.startswith(TORCH)
+
+    def reference(cand: Path, layout: str, seed: int, dtype: str) -> Path:
+        return Path(f"{cand}_ref") if synced(layout) else _ref_root(out, seed, dtype, layout)
+
+    refs = sorted({(_reference(n), s, d) for n, d, s in cands if not synced(n)})
     jobs = [Job("ref", r, s, d, a.steps, str(_ref_root(out, s, d, r)), noise_samples=a.noise_samples,
                 noise_tp=noise_tp["torch" if r.startswith(TORCH) else "megatron"]) for r, s, d in refs]
-    jobs += [Job("clean", n, s, d, a.steps, str(out / f"clean_{n}_{d}_s{s}")) for n, d in rows for s in seeds]
+    jobs += [Job("clean", n, s, d, a.steps, str(out / f"clean_{n}_{d}_s{s}"), optim=synced(n))
+             for n, d in rows for s in seeds]
     jobs += [Job("bug", lay, BUG_SEED, BUGS[n].needs.get("dtype", BUG_DTYPE), a.steps, str(out / f"bug_{n}"),
-                 bug=n) for n, lay in placed]
+                 bug=n, optim=synced(lay)) for n, lay in placed]
+    # re-synchronised references run after their candidates, whose traces they load
+    synced_refs = [Job("ref", _reference(j.layout), j.seed, j.dtype, a.steps, str(reference(Path(j.root), j.layout,
+                                                                                          j.seed, j.dtype)),
+                       noise_samples=a.noise_samples, noise_tp=noise_tp["megatron"], resync_from=j.root)
+                   for j in jobs if j.optim]
     t0 = time.perf_counter()
     _log(f"detection benchmark: {len(rows)} clean row(s) x {len(seeds)} seed(s), {len(placed)} bug(s), "
-         f"{a.steps} steps, {len(refs)} reference(s) with {a.noise_samples} noise samples (TP {noise_tp})")
+         f"{a.steps} steps, {len(refs) + len(synced_refs)} reference(s) ({len(synced_refs)} re-synchronised) "
+         f"with {a.noise_samples} noise samples (TP {noise_tp})")
     for s in skipped:
         _log(f"  skipped bug {s}")
     results = run_jobs(jobs, log=_log)
+    results.update(run_jobs(synced_refs, log=_log) if synced_refs else {})
     traced_s = time.perf_counter() - t0
     _log(f"traced everything in {traced_s:.0f} s; comparing")
-    clean = clean_rows(rows, seeds, a.steps, out, results, a.keep_traces, _log) if rows else []
-    bugrows = bug_rows(placed, out, results, a.keep_traces, _log) if placed else []
+    clean = clean_rows(rows, seeds, a.steps, out, results, a.keep_traces, _log, reference) if rows else []
+    bugrows = bug_rows(placed, out, results, a.keep_traces, _log, reference) if placed else []
     total = time.perf_counter() - t0
     fps = sum(r.over for r in clean)
     bad = [r.bug for r in bugrows if not r.placed]
-    summary = {"command": command, "total_s": total, "traced_s": traced_s, "noise_tp": noise_tp,
+    summary = {"command": command, "total_s": total, "traced_s": traced_s, "noise_tp": noise_tp, "resync": a.resync,
                "clean": [asdict(r) for r in clean], "bugs": [asdict(r) for r in bugrows], "skipped": skipped,
-               "launches_s": sorted({(j.world, round(results[j.root]["launch_s"], 1)) for j in jobs})}
+               "launches_s": sorted({(j.world, round(results[j.root]["launch_s"], 1)) for j in jobs + synced_refs})}
     (out / "detection.json").write_text(json.dumps(summary, indent=1, default=str))
     if clean:
         print("\n" + clean_markdown(clean, command, total))
