@@ -630,14 +630,32 @@ def ceiling_table(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
+#: what the page of each mode says about the reference's trajectory
+DEFAULT_NOTE = """
+The reference runs its own trajectory: at step `t` it has drifted from the candidate by `t`
+steps of legitimate round-off, amplified by Adam, and its noise samples follow trajectories of
+their own to cover that drift. The same measurement with a reference re-synchronised to the
+candidate at every step (`--resync`, `tracer.resync`): [sensitivity-resync.md](sensitivity-resync.md).
+"""
+RESYNC_NOTE = """
+**Re-synchronised reference** (`--resync`, `tracer.resync`): the candidate runs first and also
+traces its optimizer state; the reference then starts every step `t >= 1` from the candidate's
+fp32 main parameters and Adam moments at the end of step `t - 1`, and its noise samples start
+each step from that same state. Every step thus compares one step of the candidate with one
+step of the reference, for every method alike (the peers see the same re-synchronised
+reference). The same measurement with a reference on its own trajectory:
+[sensitivity.md](sensitivity.md).
+"""
+
+
 def write_doc(path: Path, results: list[Result], comparisons: dict[str, Any],
               census: dict[str, tuple[dict[str, dict[str, int]], dict[str, tuple[float, str]]]], command: str, runtime: float,
-              validations: list[str], trace_s: float = 0.0) -> None:
-    """Write ``docs/sensitivity.md``."""
+              validations: list[str], trace_s: float = 0.0, resync: bool = False) -> None:
+    """Write ``docs/sensitivity.md`` (``docs/sensitivity-resync.md`` with ``resync``)."""
     traced = f"of which {trace_s:.0f} s tracing" if trace_s else "traces reused from an earlier run"
     clean = "\n".join(f"* {dt}: {len(c.rows)} tensors compared, {c.counts()}, largest error/threshold "
                       f"{c.max_ratio_ok:.3f}" for dt, c in comparisons.items())
-    doc = f"""# Sensitivity against peers
+    doc = f"""# Sensitivity against peers{" (re-synchronised reference)" if resync else ""}
 
 Produced by `{command}` ({runtime:.0f} s on 2 shared CPU cores, {traced}).
 
@@ -652,7 +670,7 @@ same assembled full tensors (the candidate's shards assembled by `tracer.canonic
 as `tracer.check.compare` does) and the same reference tensor. "FP" means the method already
 flags the uncorrupted clean candidate (a false positive); `> 1` means it never flags up to
 `delta = 1`; the ratio is the peer's delta over ours (> 1: ours detects a smaller corruption).
-
+{RESYNC_NOTE if resync else DEFAULT_NOTE}
 ## Methods
 
 * **ours**: `tracer.check` on the tensor, as `tracer.check.compare` runs by default:
@@ -785,7 +803,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nsensitivity finished in {runtime:.0f} s")
     if a.write:
         cmd = "python -m bench.sensitivity " + " ".join(argv if argv is not None else sys.argv[1:])
-        write_doc(Path(a.write), results, comparisons, census, cmd.strip(), runtime, validations, trace_s)
+        write_doc(Path(a.write), results, comparisons, census, cmd.strip(), runtime, validations, trace_s,
+                  resync=a.resync)
         print(f"wrote {a.write}")
     return 0
 

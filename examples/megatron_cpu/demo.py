@@ -10,6 +10,9 @@
    the first divergence is a module's forward output, that module is re-run on the
    candidate's inputs: :mod:`examples.megatron_cpu.localise`), and a JSON report and a PNG
    plot per candidate are written under ``--out``.
+
+``--resync``: the candidates run first, and each gets a reference of its own that starts every
+step from its state (:mod:`tracer.resync`).
 """
 from __future__ import annotations
 
@@ -90,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--noise-samples", type=int, default=4)
+    ap.add_argument("--resync", action="store_true",
+                    help="re-synchronise a reference to each candidate at every step (tracer.resync)")
     ap.add_argument("--bug", default="sp_norm_grad_not_reduced", choices=sorted(BUGS),
                     help="catalogue bug injected into the second candidate run")
     a = ap.parse_args(argv)
@@ -101,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     lay = ".".join(f"{k}{v}" for k, v in CANDIDATE.items() if k in ("tp", "pp", "dp")) + "+sp+distopt"
     print(f"ttrace demo: megatron-core GPT ({a.dtype}), reference (1 process) vs candidate {lay}, "
           f"{a.steps} steps; injected bug: {a.bug}")
-    runs = trace_runs(out, steps=a.steps, seed=a.seed, dtype=a.dtype, bug=a.bug, noise_samples=a.noise_samples)
+    runs = trace_runs(out, steps=a.steps, seed=a.seed, dtype=a.dtype, bug=a.bug, noise_samples=a.noise_samples,
+                      resync=a.resync)
     print(f"  losses: reference {[round(x, 5) for x in runs['ref']['losses']]}, clean candidate "
           f"{[round(x, 5) for x in runs['cand_clean']['losses']]}, buggy candidate "
           f"{[round(x, 5) for x in runs['cand_bug']['losses']]}")
@@ -110,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     status = 0
     for name, title in (("cand_clean", "clean candidate"), ("cand_bug", f"candidate with bug {a.bug}")):
         t = time.perf_counter()
-        c = compare(out / "ref", out / name, progress=sys.stderr.isatty())
+        ref = "ref_bug" if a.resync and name == "cand_bug" else "ref"
+        c = compare(out / ref, out / name, progress=sys.stderr.isatty())
         print(f"\n== {title} (compared in {time.perf_counter() - t:.1f} s) ==")
         print(summary(c))
         if c.first is not None and c.first.phase == "fwd":
