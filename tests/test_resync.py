@@ -204,3 +204,21 @@ def test_resynchronised_comparison_is_clean(synced, dtype):
     assert {r.phase for r in c.rows} >= {"fwd", "bwd", "grad", "param"}
     assert not {r.phase for r in c.rows} & {"main_param", "exp_avg", "exp_avg_sq"}
     assert c.first is None, (c.first, c.localisation)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_localisation_rerun_starts_from_the_candidates_state(synced, dtype):
+    """Re-running a module of step 2 on the candidate's inputs: re-synchronised, the module's
+    weights are the candidate's, and the local difference is that of one computation; on the
+    reference's own trajectory the weights have drifted and the local difference is larger."""
+    from dataclasses import replace
+
+    from examples.megatron_cpu.localise import rerun_first_divergence
+    from tracer.check import compare
+    c = compare(synced / f"ref_{dtype}", synced / f"cand_{dtype}")
+    row = next(r for r in c.rows if (r.step, r.phase, r.name) == (2, "fwd", "decoder.final_layernorm.output"))
+    synced_v = rerun_first_divergence(replace(c, first=row), seed=0, dtype=dtype, global_batch=2, resync=True)
+    own_v = rerun_first_divergence(replace(c, first=row), seed=0, dtype=dtype, global_batch=2)
+    print(f"\n{dtype}: re-synchronised {synced_v}\n  own trajectory {own_v}")
+    assert not synced_v.module_is_wrong
+    assert synced_v.local_error < own_v.local_error / 10

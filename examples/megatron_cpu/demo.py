@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         print(summary(c))
         if c.first is not None and c.first.phase == "fwd":
             from examples.megatron_cpu.localise import rerun_first_divergence
-            print(f"  {rerun_first_divergence(c, seed=a.seed, dtype=a.dtype, noise_tp=CANDIDATE['tp'])}")
+            print(f"  {rerun_first_divergence(c, seed=a.seed, dtype=a.dtype, noise_tp=CANDIDATE['tp'], resync=a.resync)}")
         j, p = write_json(c, out / f"report_{name}.json"), plot(c, out / f"report_{name}.png", title=title)
         print(f"  report: {j}  plot: {p}")
         expected_ok = (c.first is None) if name == "cand_clean" else (c.first is not None)

@@ -89,6 +89,13 @@ def _rerun(model, rerun: dict, dtype: str):
                         policy=noise_policy(int(rerun.get("noise_tp", 2)), dtype))
 
 
+def _resync(model, optimizer, candidate: str, step: int) -> None:
+    """Load the candidate's state at the end of ``step`` into this (single-process) run."""
+    from tracer.megatron import unwrap
+    from tracer.resync import candidate_state, load_state
+    load_state(optimizer, list(unwrap(model).named_parameters()), candidate_state(candidate, step))
+
+
 def _signature(sizes: dict, seed: int, dtype: str, global_batch: int) -> str:
     """What must agree for two traces to be comparable: model sizes, seeds, batch, dtype."""
     return "megatron-gpt:" + ",".join(f"{k}={v}" for k, v in sorted(sizes.items())) + \
@@ -139,7 +146,8 @@ def build_and_train(layout: dict, steps: int = 3, seed: int = 1234, dtype: str =
             "args": [...], "kwargs": {...}, "output": candidate's output, "noise_tp": T}``:
             train up to step ``t``, then re-run that module of this (reference) model on the
             candidate's inputs (:func:`tracer.localise.rerun_module`) and return the verdict
-            as ``result["rerun"]`` instead of training step ``t``.
+            as ``result["rerun"]`` instead of training step ``t``; with ``"resync_from":
+            candidate trace``, step ``t`` starts from the candidate's state (:mod:`tracer.resync`).
         config_overrides: model sizes (``DEFAULT_MODEL`` keys) or ``TransformerConfig`` fields.
 
     Returns:
@@ -303,6 +311,8 @@ def build_and_train(layout: dict, steps: int = 3, seed: int = 1234, dtype: str =
         verdict = None
         for step in range(steps):
             if rerun is not None and step == rerun["step"]:
+                if rerun.get("resync_from") and step > 0:
+                    _resync(model, optimizer, rerun["resync_from"], step - 1)
                 verdict = _rerun(model, rerun, dtype)
                 break
             ts = time.perf_counter()

@@ -4,7 +4,8 @@
 
 When the first divergence of a comparison is a module's forward output, a single-process
 reference is rebuilt, trained up to that step (it is deterministic, so its state is the
-traced reference's), and the module is re-run on the candidate's assembled inputs of that
+traced reference's; a re-synchronised one then loads the candidate's state of the step
+before, as the traced one did), and the module is re-run on the candidate's assembled inputs of that
 microbatch (:func:`tracer.localise.rerun_module`): the module's own difference, free of
 anything propagated, against a threshold from noise samples of the same re-run.
 """
@@ -26,8 +27,10 @@ def _worker(rank: int, world: int, layout: dict, kw: dict, rerun: dict):
 
 
 def rerun_first_divergence(c: Comparison, *, seed: int, dtype: str, global_batch: int = 4,
-                           noise_tp: int = 2) -> LocalVerdict | None:
-    """Re-run the module of ``c``'s first divergence (None if it is not a forward output)."""
+                           noise_tp: int = 2, resync: bool = False) -> LocalVerdict | None:
+    """Re-run the module of ``c``'s first divergence (None if it is not a forward output).
+    ``resync``: ``c``'s reference was re-synchronised to its candidate (:mod:`tracer.resync`), so the
+    re-run's reference starts the step from the candidate's state too (its weights)."""
     f = c.first
     if f is None or f.phase != "fwd" or ".output" not in f.name:
         return None
@@ -36,6 +39,6 @@ def rerun_first_divergence(c: Comparison, *, seed: int, dtype: str, global_batch
     args, kwargs = split_inputs(inputs, module)
     output = assembled_records(c.candidate, f.step, "fwd", f.microbatch, f.name)[f.name]
     rerun = {"step": f.step, "module": module, "args": args, "kwargs": kwargs, "output": output,
-             "noise_tp": noise_tp}
+             "noise_tp": noise_tp, **({"resync_from": c.candidate} if resync else {})}
     kw = {"seed": seed, "dtype": dtype, "global_batch": global_batch}
     return run_gloo(_worker, 1, {"tp": 1, "pp": 1, "dp": 1}, kw, rerun)[0]
