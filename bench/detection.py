@@ -16,10 +16,10 @@ layouts, and every registered bug caught at the tensor and phase it declares.
   (phase equal, name matching the declared ``fnmatch`` pattern), and replicated copies that
   drifted across ranks are reported.
 * ``all``: both, sharing the launches.
-* ``--resync``: each megatron-core candidate (clean or buggy) gets a reference of its own,
-  re-synchronised to it at every step (:mod:`tracer.resync`: the candidate also traces its
-  optimizer state, then its reference starts every step from that state), run in one world-1
-  launch after the candidates; the plain-PyTorch layouts keep their shared references.
+* ``--resync``: each candidate (clean or buggy) gets a reference of its own, re-synchronised to
+  it at every step (:mod:`tracer.resync`: the candidate also traces its optimizer state, and
+  FP8 amax histories, then its reference starts every step from that state), run in one
+  world-1 launch per harness after the candidates.
 
 Virtual pipelining (``+vpp2``: 2 model chunks per stage, megatron's interleaved schedule) needs
 4 layers on 2 stages: those layouts run a 4-layer model (:data:`VPP_MODEL`) against their own
@@ -174,7 +174,7 @@ class Job:
         if self.harness == "torch":
             return {"harness": "torch", "layout": self.layout[len(TORCH):], "dtype": self.dtype, "seed": self.seed,
                     "steps": self.steps, "root": self.root, "bug": self.bug, "noise_samples": self.noise_samples,
-                    "noise_split": self.noise_tp}
+                    "noise_split": self.noise_tp, "resync_from": self.resync_from, "optim": self.optim}
         trace: dict[str, Any] = {"root": self.root}
         lay = _lay() if self.kind == "ref" else LAYOUTS[self.layout]
         if self.kind == "ref":
@@ -478,8 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=STEPS)
     ap.add_argument("--noise-samples", type=int, default=NOISE_SAMPLES)
     ap.add_argument("--resync", action="store_true",
-                    help="megatron-core candidates: a reference of their own, re-synchronised to them at every "
-                         "step (tracer.resync), instead of one shared reference per seed and dtype")
+                    help="every candidate gets a reference of its own, re-synchronised to it at every step "
+                         "(tracer.resync), instead of one shared reference per seed and dtype")
     ap.add_argument("--out", default="out/detection", help="trace directory (replaced)")
     ap.add_argument("--keep-traces", action="store_true", help="keep candidate traces after comparing")
     ap.add_argument("--write", default=None, help="markdown page whose tables are replaced")
@@ -524,23 +524,20 @@ def main(argv: list[str] | None = None) -> int:
     noise_tp = {h: max([LAYOUTS[n]["torch"].tp if "torch" in LAYOUTS[n] else LAYOUTS[n]["tp"]
                         for n, _, _ in cands if n.startswith(TORCH) == (h == "torch")] + [1])
                 for h in ("megatron", "torch")}
-    def synced(layout: str) -> bool:  # this candidate gets a re-synchronised reference of its own
-        return a.resync and not layout.startswith(TORCH)
-
     def reference(cand: Path, layout: str, seed: int, dtype: str) -> Path:
-        return Path(f"{cand}_ref") if synced(layout) else _ref_root(out, seed, dtype, layout)
+        return Path(f"{cand}_ref") if a.resync else _ref_root(out, seed, dtype, layout)
 
-    refs = sorted({(_reference(n), s, d) for n, d, s in cands if not synced(n)})
+    refs = [] if a.resync else sorted({(_reference(n), s, d) for n, d, s in cands})
     jobs = [Job("ref", r, s, d, a.steps, str(_ref_root(out, s, d, r)), noise_samples=a.noise_samples,
                 noise_tp=noise_tp["torch" if r.startswith(TORCH) else "megatron"]) for r, s, d in refs]
-    jobs += [Job("clean", n, s, d, a.steps, str(out / f"clean_{n}_{d}_s{s}"), optim=synced(n))
+    jobs += [Job("clean", n, s, d, a.steps, str(out / f"clean_{n}_{d}_s{s}"), optim=a.resync)
              for n, d in rows for s in seeds]
     jobs += [Job("bug", lay, BUG_SEED, BUGS[n].needs.get("dtype", BUG_DTYPE), a.steps, str(out / f"bug_{n}"),
-                 bug=n, optim=synced(lay)) for n, lay in placed]
+                 bug=n, optim=a.resync) for n, lay in placed]
     # re-synchronised references run after their candidates, whose traces they load
     synced_refs = [Job("ref", _reference(j.layout), j.seed, j.dtype, a.steps, str(reference(Path(j.root), j.layout,
                                                                                           j.seed, j.dtype)),
-                       noise_samples=a.noise_samples, noise_tp=noise_tp["megatron"], resync_from=j.root)
+                       noise_samples=a.noise_samples, noise_tp=noise_tp[j.harness], resync_from=j.root)
                    for j in jobs if j.optim]
     t0 = time.perf_counter()
     _log(f"detection benchmark: {len(rows)} clean row(s) x {len(seeds)} seed(s), {len(placed)} bug(s), "

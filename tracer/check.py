@@ -24,8 +24,10 @@ contributes, the reduced grads, the grad norm and the updated parameters). It is
 grad whose per-rank contributions agree is a wrong reduction; an updated parameter whose
 reduced grad agrees is a wrong optimizer step (:func:`localise`).
 
-An optimizer's state (phases ``main_param``, ``exp_avg``, ``exp_avg_sq``, recorded for a
-reference that re-synchronises to the candidate, :mod:`tracer.resync`) is not compared: Adam
+What a candidate records for a reference that re-synchronises to it (:mod:`tracer.resync`) is
+not compared: a run's own carried state (phase ``state``, e.g. FP8 amax histories, whose
+effect the scales and every quantised tensor show), and the optimizer's (phases
+``main_param``, ``exp_avg``, ``exp_avg_sq``): Adam
 moves an element whose gradient is within round-off of zero by ``+-lr`` at random, and where
 the candidate's split reduction biases a gradient (the sum over every token of a 1-D parameter's
 gradient, :mod:`tracer.blockscale`) the noise samples do not sample those flips. The updated
@@ -51,7 +53,7 @@ from tracer.deviation import (DEVIATION_FIELD, DeviationOf, Key, SampleMoments, 
                               stored_rounded, work_dtype)
 from tracer.difference import difference_norms
 from tracer.errors import IncomparableRunsError, TraceError
-from tracer.store import OPTIMIZER_STATE_PHASES, TraceReader
+from tracer.store import CARRIED_PHASES, TraceReader
 from tracer.thresholds import (DEFAULT_FALSE_ALARM, deviation_threshold, moments_threshold, noise_threshold,
                                unmodelled_threshold)
 
@@ -151,8 +153,9 @@ def _index_by_key(reader: TraceReader, step: int) -> dict[Key, dict[int, dict[st
 
 
 def _compared(reader: TraceReader, step: int) -> dict[Key, dict[int, dict[str, Any]]]:
-    """:func:`_index_by_key` without the optimizer's state (not compared: module docstring)."""
-    return {k: v for k, v in _index_by_key(reader, step).items() if k[0] not in OPTIMIZER_STATE_PHASES}
+    """:func:`_index_by_key` without the state recorded for re-synchronisation (not compared:
+    module docstring)."""
+    return {k: v for k, v in _index_by_key(reader, step).items() if k[0] not in CARRIED_PHASES}
 
 
 def _full(reader: TraceReader, step: int, entries: dict[int, dict[str, Any]], name: str

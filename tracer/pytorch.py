@@ -37,6 +37,7 @@ from torch import nn
 
 from tracer.canonical import Placement, ShardDim
 from tracer.hooks import Tracer
+from tracer.optim_state import main_param_and_state
 from tracer.store import TraceWriter
 
 __all__ = ["DDPTracer", "ddp_placement", "dtensor_placement"]
@@ -63,7 +64,10 @@ class DDPTracer:
             group's rank and size when one is initialised, else ``0`` and ``1``.
         include, exclude: ``fnmatch`` patterns on local module names (as ``Tracer``); they
             select the traced parameters too.
-        capture: subset of ``fwd_in fwd_out bwd_out bwd_in grad param``.
+        capture: subset of ``fwd_in fwd_out bwd_out bwd_in grad param optim``; ``optim``: after
+            the optimizer step, each param's main copy and Adam moments (phases ``main_param``,
+            ``exp_avg``, ``exp_avg_sq``; needs ``optimizer``), for a reference re-synchronised to
+            this run (:mod:`tracer.resync`).
         placement_fn, param_placement, loss_placement, grad_scale: for models sharded beyond
             data parallelism (e.g. the tensor/context-parallel harness of
             ``examples/torch_parallel``): the placement of module records (as
@@ -72,6 +76,7 @@ class DDPTracer:
             rank holds it), and the activation-gradient scale (default ``1/dp``).
         module_meta: extra meta for the records of matching modules (as
             :class:`~tracer.hooks.Tracer`; e.g. an MoE router's top-k, :mod:`tracer.decisions`).
+        optimizer: the run's optimizer (capture ``optim`` only).
     """
 
     def __init__(self, model: nn.Module, writer: TraceWriter, *, num_microbatches: int = 1,
@@ -81,7 +86,7 @@ class DDPTracer:
                  placement_fn: Callable[[str, str, torch.Tensor], dict[str, Any]] | None = None,
                  param_placement: Callable[[str], dict[str, Any]] | None = None,
                  loss_placement: dict[str, Any] | None = None, grad_scale: float | None = None,
-                 module_meta: dict[str, dict[str, Any]] | None = None) -> None:
+                 module_meta: dict[str, dict[str, Any]] | None = None, optimizer: Any = None) -> None:
         import torch.distributed as dist
         dist_on = dist.is_available() and dist.is_initialized()
         self.dp = int(dp if dp is not None else (dist.get_world_size() if dist_on else 1))
@@ -98,6 +103,9 @@ class DDPTracer:
         placement = ddp_placement(self.dp_rank, self.dp)
         self.param_placement = param_placement or (lambda local: placement)
         self.loss_placement = loss_placement
+        self.optimizer = optimizer
+        if "optim" in self.capture and optimizer is None:
+            raise ValueError("capture 'optim' records the optimizer's state: pass DDPTracer(..., optimizer=...)")
 
     @contextlib.contextmanager
     def step(self, step: int, writer: TraceWriter | None = None) -> Iterator[DDPTracer]:
@@ -134,9 +142,17 @@ class DDPTracer:
             self._record_params("grad", grads=True)
 
     def after_optimizer_step(self) -> None:
-        """Record the updated parameters (phase ``param``); call after ``optimizer.step()``."""
+        """Record the updated parameters (phase ``param``), and with capture ``optim`` each
+        param's main copy and Adam moments; call after ``optimizer.step()``."""
         if "param" in self.capture:
             self._record_params("param", grads=False)
+        if "optim" in self.capture:
+            self.tracer.set_microbatch(0)
+            for local, p in self.params.items():
+                tensors, _ = main_param_and_state(self.optimizer, p)
+                for phase, t in tensors.items():
+                    self.tracer.record(local, t.detach(), phase, placement=self.param_placement(local),
+                                       meta={"param": local})
 
     def remove(self) -> None:
         """Remove every hook."""

@@ -35,7 +35,7 @@ import torch
 
 from tracer.check import assembled_records
 from tracer.errors import MissingRankError, TraceError
-from tracer.megatron import ADAM_MOMENTS, main_param_and_state
+from tracer.optim_state import ADAM_MOMENTS, main_param_and_state
 from tracer.store import OPTIMIZER_STATE_PHASES, TraceReader
 
 __all__ = ["STATE_PHASES", "candidate_state", "load_state"]

@@ -51,10 +51,13 @@ from tracer.stats import STATS_CHUNK, tensor_stats, tensor_stats_many
 SCHEMA_VERSION = 1
 MODES = ("full", "stats")
 KNOWN_PHASES = ("fwd", "bwd", "grad_local", "grad", "main_grad", "grad_norm", "param", "main_param", "exp_avg",
-                "exp_avg_sq", "loss", "input")
-#: an optimizer's per-parameter state (capture ``optim``): recorded for a reference that
-#: re-synchronises to the candidate (:mod:`tracer.resync`), not compared (see tracer.check)
+                "exp_avg_sq", "state", "loss", "input")
+#: an optimizer's per-parameter state (capture ``optim``)
 OPTIMIZER_STATE_PHASES = ("main_param", "exp_avg", "exp_avg_sq")
+#: what a candidate records for a reference that re-synchronises to it (:mod:`tracer.resync`), never
+#: compared (see tracer.check): the optimizer's state and a run's own (phase ``state``, e.g. FP8
+#: amax histories)
+CARRIED_PHASES = (*OPTIMIZER_STATE_PHASES, "state")
 RUN_FILE = "run.json"
 MAX_OPEN_FILES = 64  # safetensors handles a TraceReader keeps open
 _STEP_RE = re.compile(r"^step_(\d{6,})$")

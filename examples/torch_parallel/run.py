@@ -13,7 +13,10 @@ A job is a dict ``{"layout": "tp2.cp2.dp1+sp", "dtype": "bf16", "seed": 0, "step
 layout has world 1: with ``noise_samples > 0`` its steps run through
 :class:`tracer.reference.NoiseSampler` with :func:`reference_noise`, which gives the
 thresholds. Each job returns ``{"root", "losses", "wall_s"}`` (rank 0's losses: the summed
-loss shares of its microbatches per step, a diagnostic).
+loss shares of its microbatches per step, a diagnostic). Re-synchronisation
+(:mod:`tracer.resync`): a candidate job with ``"optim": True`` also traces its optimizer state
+and FP8 amax histories; a reference job with ``"resync_from": candidate root`` starts every step
+from that state.
 """
 from __future__ import annotations
 
@@ -29,7 +32,9 @@ import torch
 from examples.gloo import released_groups
 from examples.torch_parallel.layout import Layout
 from examples.torch_parallel.train import Run, tracer_for
+from tracer.check import assembled_records
 from tracer.reference import NoiseSampler
+from tracer.resync import candidate_state, load_state
 from tracer.store import TraceWriter
 
 __all__ = ["main", "reference_noise", "signature", "trace_worker", "trace_job"]
@@ -66,7 +71,8 @@ def trace_job(job: dict[str, Any]) -> dict[str, Any]:
         sig = signature(layout, job["dtype"], job.get("seed", 0))
         lay = {"layout": layout.name, "dtype": job["dtype"]}
         writer = TraceWriter(job["root"], run.groups.rank, layout.world, lay, sig)
-        tr = tracer_for(run, writer)
+        tr = tracer_for(run, writer, optim=bool(job.get("optim")))
+        resync_from = job.get("resync_from")
         undo = BUGS.inject(job["bug"], run) if job.get("bug") else None
         losses = []
         try:
@@ -74,9 +80,11 @@ def trace_job(job: dict[str, Any]) -> dict[str, Any]:
             sampler = None
             if samples and layout.world == 1:
                 sampler = NoiseSampler(run.model, run.opt, job["root"], layout=lay, signature=sig, samples=samples,
-                                       seed=job.get("seed", 0),
+                                       seed=job.get("seed", 0), restart=bool(resync_from),
                                        **reference_noise(int(job.get("noise_split", 1)), job["dtype"], layout))
             for step in range(job["steps"]):
+                if resync_from and step > 0:
+                    _resync(run, resync_from, step - 1)
                 if sampler:
                     losses.append(sampler.step(step, partial(run.train_step, step, tr)))
                 else:
@@ -86,6 +94,15 @@ def trace_job(job: dict[str, Any]) -> dict[str, Any]:
             if undo:
                 undo()
         return {"root": job["root"], "losses": losses, "wall_s": time.perf_counter() - t0}
+
+
+def _resync(run: Run, candidate: str, step: int) -> None:
+    """Start the next step of this (single-rank) run from the candidate's state at the end of
+    ``step``: parameters, Adam moments and FP8 delayed-scaling state (:mod:`tracer.resync`)."""
+    load_state(run.opt, list(run.model.named_parameters()), candidate_state(candidate, step))
+    if run.fp8_states():
+        run.load_fp8_state(assembled_records(candidate, step, "fp8_scale", 0, ""),
+                           assembled_records(candidate, step, "state", 0, ""))
 
 
 def trace_worker(rank: int, world: int, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:

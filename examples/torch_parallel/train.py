@@ -138,17 +138,41 @@ class Run:
         rank (each is computed from the amax reduced over all ranks), so they are stored
         replicated over TP, CP and DP and the checker compares the copies bitwise: an amax
         reduced over the wrong group shows there, at the step where it happened (B09, B12)."""
-        lay, grp = self.layout, self.groups
-        dims = tuple(ShardDim(None, g, r, n, "replicated") for g, r, n in
-                     (("dp", grp.dp_rank, lay.dp), ("cp", grp.cp_rank, lay.cp), ("tp", grp.tp_rank, lay.tp)) if n > 1)
-        # a rank's output gradients are dp*cp times the reference's (its loss share is scaled by
-        # dp*cp), so its g amax is too and its g scale 1/(dp*cp) times: stored times dp*cp (a
-        # power of two: exact, and the quantised gradients differ by exactly that factor)
-        g_factor = torch.tensor([1.0, 1.0, float(lay.dp * lay.cp)])
+        placement = self._fp8_placement()
         for name, st in self.fp8_states().items():
             tr.tracer.set_microbatch(0)
-            tr.tracer.record(f"{name}.fp8.scale", st.meta.scale * g_factor, "fp8_scale",
-                             placement=Placement(dims).to_dict(), meta={"g_scaled_by": lay.dp * lay.cp})
+            tr.tracer.record(f"{name}.fp8.scale", st.meta.scale * self._g_factor(), "fp8_scale", placement=placement,
+                             meta={"g_scaled_by": self.layout.dp * self.layout.cp})
+            if "optim" in tr.capture:  # the delayed-scaling history, for a re-synchronised reference
+                tr.tracer.record(f"{name}.fp8.amax_history", st.meta.amax_history / self._g_factor(), "state",
+                                 placement=placement, meta={"g_scaled_by": self.layout.dp * self.layout.cp})
+
+    def _fp8_placement(self) -> dict[str, Any]:
+        """FP8 scales and histories: the same on every rank (replicated over TP, CP and DP)."""
+        lay, grp = self.layout, self.groups
+        return Placement(tuple(ShardDim(None, g, r, n, "replicated") for g, r, n in
+                               (("dp", grp.dp_rank, lay.dp), ("cp", grp.cp_rank, lay.cp), ("tp", grp.tp_rank, lay.tp))
+                               if n > 1)).to_dict()
+
+    def _g_factor(self) -> torch.Tensor:
+        """A rank's output gradients are dp*cp times the reference's (its loss share is scaled by
+        dp*cp), so its g amax is too and its g scale 1/(dp*cp) times: scales are stored times
+        this factor and amaxes divided by it, as the reference's (a power of two: exact)."""
+        return torch.tensor([1.0, 1.0, float(self.layout.dp * self.layout.cp)])
+
+    def load_fp8_state(self, scales: dict[str, torch.Tensor], histories: dict[str, torch.Tensor]) -> None:
+        """Start the next step from a candidate's delayed-scaling state (as recorded by
+        :meth:`record_fp8_scales` with capture ``optim``, full tensors by record name): each FP8
+        linear's amax history and scales, converted back to this run's gradient scale."""
+        for name, st in self.fp8_states().items():
+            if f"{name}.fp8.amax_history" not in histories:
+                raise ValueError(f"the candidate's trace has no FP8 amax history of {name}: trace it with capture "
+                                 "'optim' to re-synchronise a reference to it")
+            m = st.meta
+            m.amax_history = histories[f"{name}.fp8.amax_history"].to(torch.float32) * self._g_factor()
+            m.scale = scales[f"{name}.fp8.scale"].to(torch.float32) / self._g_factor()
+            m.scale_inv = torch.reciprocal(m.scale)
+            m.amax, m.recompute = torch.zeros_like(m.amax), False
 
     def end_step_fp8(self) -> None:
         """Delayed scaling: every FP8 linear's amaxes reduced over :func:`amax_group`, scales updated."""
@@ -226,16 +250,18 @@ def loss_dims(layout: Layout, groups: Groups) -> list[ShardDim]:
     return dims
 
 
-def tracer_for(run: Run, writer: TraceWriter) -> DDPTracer:
+def tracer_for(run: Run, writer: TraceWriter, optim: bool = False) -> DDPTracer:
     """A :class:`~tracer.pytorch.DDPTracer` over ``run``'s model with the harness placements.
     Traced: every module's output and output gradient except the MoE router's (integer expert
     indices; its linear's logits are traced, marked as the scores of a top-k choice for the
     checker, and the MoE layer's outputs as consumers of that choice, :mod:`tracer.decisions`), the losses, reduced gradients, updated parameters and,
-    with FP8, the scales (:meth:`Run.record_fp8_scales`)."""
+    with FP8, the scales (:meth:`Run.record_fp8_scales`); ``optim``: also the optimizer's state and
+    the FP8 amax histories, for a reference re-synchronised to this run (:mod:`tracer.resync`)."""
     lay, grp = run.layout, run.groups
     params = dict(run.model.named_parameters())
     return DDPTracer(run.model, writer, num_microbatches=run.n_local, dp_rank=grp.dp_rank, dp=lay.dp,
-                     exclude=("", "layers", "*.moe.router", "*.fp8"), capture=("fwd_out", "bwd_out", "grad", "param"),
+                     exclude=("", "layers", "*.moe.router", "*.fp8"),
+                     capture=("fwd_out", "bwd_out", "grad", "param") + (("optim",) if optim else ()), optimizer=run.opt,
                      placement_fn=lambda local, name, t: module_placement(lay, grp, local, name, t),
                      param_placement=lambda local: param_placement(lay, grp, local, params[local]),
                      loss_placement=Placement(tuple(loss_dims(lay, grp))).to_dict(),
