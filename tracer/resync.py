@@ -10,7 +10,8 @@ must stand out of three steps' worth of drift.
 
 Re-synchronised, the reference starts every step ``t >= 1`` from the candidate's state at the
 end of step ``t - 1``: its fp32 main parameters and Adam moments, as the candidate traced them
-(capture ``optim`` of :class:`tracer.megatron.MegatronTracer`, full mode), assembled to full
+(capture ``optim`` of :class:`tracer.megatron.MegatronTracer` or
+:class:`tracer.pytorch.DDPTracer`, full mode), assembled to full
 tensors (:mod:`tracer.canonical`) and written into the reference's optimizer; the model's
 parameters are then cast from the main parameters as the optimizer does after a step. The noise
 samples of the step start from that same state
@@ -20,7 +21,9 @@ shows where it acts: the step's tensors it corrupts diverge; the next step start
 candidate's (corrupted) state and tests that step's own computation.
 
 Cost: the reference runs once per candidate (it needs the candidate's trace first), and the
-candidate stores three more tensors per parameter (12 bytes per fp32 element).
+candidate stores three more tensors per parameter (12 bytes per fp32 element). State the
+optimizer does not hold (e.g. FP8 amax histories) is the run's own to record (phase
+``state``, never compared) and to load (``examples/torch_parallel``: ``Run.load_fp8_state``).
 
     state = candidate_state(candidate_root, step - 1)
     load_state(optimizer, tracer.canonical_params(), state)   # tracer: the reference's MegatronTracer
@@ -69,7 +72,8 @@ def candidate_state(trace: str | Path, step: int) -> dict[str, dict[str, torch.T
 
 def load_state(optimizer: Any, params: Iterable[tuple[str, torch.Tensor]],
                state: dict[str, dict[str, torch.Tensor]]) -> None:
-    """Write ``state`` (from :func:`candidate_state`) into a megatron-core ``optimizer`` whose model
+    """Write ``state`` (from :func:`candidate_state`) into ``optimizer`` (megatron-core's or a
+    ``torch.optim`` one, :func:`tracer.optim_state.main_param_and_state`) whose model
     parameters are ``params`` ((canonical name, parameter) pairs, e.g.
     :meth:`tracer.megatron.MegatronTracer.canonical_params`; a tied copy appears under its
     original's name), then cast the main parameters to the
