@@ -18,10 +18,11 @@ __all__ = ["ADAM_MOMENTS", "main_param_and_state"]
 ADAM_MOMENTS = OPTIMIZER_STATE_PHASES[1:]
 
 
-def main_param_and_state(optimizer: Any, p: torch.Tensor) -> tuple[dict[str, torch.Tensor], tuple[int, int] | None] | None:
-    """The fp32 main copy of model parameter ``p`` and its Adam moments in a megatron-core
-    optimizer: ``({"main_param": t, "exp_avg": m, "exp_avg_sq": v}, rng)`` with the live
-    tensors (the moments only once the optimizer has stepped). ``rng``: under the distributed
+def main_param_and_state(optimizer: Any, p: torch.Tensor
+                         ) -> tuple[dict[str, torch.Tensor], tuple[int, int] | None] | None:
+    """The fp32 main copy of model parameter ``p`` and its Adam moments in ``optimizer``:
+    ``({"main_param": t, "exp_avg": m, "exp_avg_sq": v}, rng)`` with the live tensors (the
+    moments only once the optimizer has stepped). ``rng``: under the distributed
     optimizer, the range ``[start, end)`` of ``p``'s flattened elements this rank holds (the
     tensors are that flat range); None otherwise (the tensors have ``p``'s elements).
     None when a distributed optimizer holds none of ``p`` on this rank (it knows only its own

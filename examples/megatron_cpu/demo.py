@@ -49,8 +49,9 @@ def trace_runs(out: Path, *, steps: int, seed: int, dtype: str, bug: str | None,
 
     ``resync``: the reference is re-synchronised to each candidate at every step
     (:mod:`tracer.resync`): the candidates run first and also trace their optimizer state
-    (capture ``optim``, which the comparison does not compare), then one reference per candidate (``out/ref`` for the clean one,
-    ``out/ref_bug`` for the buggy one) starts every step from that candidate's state."""
+    (capture ``optim``, which the comparison does not compare), then one reference per
+    candidate (``out/ref`` for the clean one, ``out/ref_bug`` for the buggy one) starts every
+    step from that candidate's state."""
     world = candidate["tp"] * candidate["pp"] * candidate["dp"]
     from tracer.megatron import DEFAULT_CAPTURE
     capture = {"capture": DEFAULT_CAPTURE + ("optim",)} if resync else {}
@@ -122,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
         print(summary(c))
         if c.first is not None and c.first.phase == "fwd":
             from examples.megatron_cpu.localise import rerun_first_divergence
-            print(f"  {rerun_first_divergence(c, seed=a.seed, dtype=a.dtype, noise_tp=CANDIDATE['tp'], resync=a.resync)}")
+            verdict = rerun_first_divergence(c, seed=a.seed, dtype=a.dtype, noise_tp=CANDIDATE["tp"], resync=a.resync)
+            print(f"  {verdict}")
         j, p = write_json(c, out / f"report_{name}.json"), plot(c, out / f"report_{name}.png", title=title)
         print(f"  report: {j}  plot: {p}")
         expected_ok = (c.first is None) if name == "cand_clean" else (c.first is not None)
