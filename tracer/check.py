@@ -57,7 +57,7 @@ from tracer.store import CARRIED_PHASES, TraceReader
 from tracer.thresholds import (DEFAULT_FALSE_ALARM, deviation_threshold, moments_threshold, noise_threshold,
                                unmodelled_threshold)
 
-__all__ = ["Comparison", "TensorCheck", "assembled_records", "compare", "localise", "noise_dirs"]
+__all__ = ["Comparison", "TensorCheck", "assembled_phases", "assembled_records", "compare", "localise", "noise_dirs"]
 
 
 
@@ -524,11 +524,18 @@ def assembled_records(trace: str | Path, step: int, phase: str, microbatch: int,
                       ) -> dict[str, torch.Tensor]:
     """Full (assembled) tensors of one trace whose name starts with ``prefix``, for one step,
     phase and microbatch (first call of each), e.g. a module's inputs for a re-run."""
+    return assembled_phases(trace, step, (phase,), microbatch, prefix)[phase]
+
+
+def assembled_phases(trace: str | Path, step: int, phases: Iterable[str], microbatch: int = 0, prefix: str = ""
+                     ) -> dict[str, dict[str, torch.Tensor]]:
+    """:func:`assembled_records` of several phases, the trace's step read and indexed once:
+    phase -> name -> full tensor (an empty dict for a phase with no such record)."""
     reader = TraceReader(trace)
-    out = {}
+    out: dict[str, dict[str, torch.Tensor]] = {ph: {} for ph in phases}
     for (ph, name, mb, call), ents in _index_by_key(reader, step).items():
-        if ph == phase and mb == microbatch and call == 0 and name.startswith(prefix):
-            out[name] = _full(reader, step, ents, name)[0]
+        if ph in out and mb == microbatch and call == 0 and name.startswith(prefix):
+            out[ph][name] = _full(reader, step, ents, name)[0]
     return out
 
 

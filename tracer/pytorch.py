@@ -127,32 +127,29 @@ class DDPTracer:
         """Record this microbatch's loss (phase ``loss``; call before scaling it)."""
         self.tracer.record("loss", loss.detach(), "loss", placement=self.loss_placement)
 
-    def _record_params(self, phase: str, grads: bool) -> None:
+    def _record_params(self, tensors_of: Callable[[torch.Tensor], dict[str, torch.Tensor | None]]) -> None:
+        """Record ``tensors_of(p)`` (phase -> tensor, None: not recorded) of every parameter, in
+        the parameter's placement."""
         self.tracer.set_microbatch(0)  # per-step tensors, not of a microbatch
         for local, p in self.params.items():
-            t = p.grad if grads else p
-            if t is not None:
-                self.tracer.record(local, t.detach(), phase, placement=self.param_placement(local),
-                                   meta={"param": local})
+            for phase, t in tensors_of(p).items():
+                if t is not None:
+                    self.tracer.record(local, t.detach(), phase, placement=self.param_placement(local),
+                                       meta={"param": local})
 
     def after_backward(self) -> None:
         """Record the reduced gradients (phase ``grad``); call after the last microbatch's
         backward (DDP's all-reduce has completed when ``backward()`` returns)."""
         if "grad" in self.capture:
-            self._record_params("grad", grads=True)
+            self._record_params(lambda p: {"grad": p.grad})
 
     def after_optimizer_step(self) -> None:
         """Record the updated parameters (phase ``param``), and with capture ``optim`` each
         param's main copy and Adam moments; call after ``optimizer.step()``."""
         if "param" in self.capture:
-            self._record_params("param", grads=False)
+            self._record_params(lambda p: {"param": p})
         if "optim" in self.capture:
-            self.tracer.set_microbatch(0)
-            for local, p in self.params.items():
-                tensors, _ = main_param_and_state(self.optimizer, p)
-                for phase, t in tensors.items():
-                    self.tracer.record(local, t.detach(), phase, placement=self.param_placement(local),
-                                       meta={"param": local})
+            self._record_params(lambda p: main_param_and_state(self.optimizer, p)[0])
 
     def remove(self) -> None:
         """Remove every hook."""

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from tracer.check import assembled_records
+from tracer.check import assembled_phases
 from tracer.errors import MissingRankError, TraceError
 from tracer.optim_state import ADAM_MOMENTS, main_param_and_state
 from tracer.store import OPTIMIZER_STATE_PHASES, TraceReader
@@ -60,8 +60,7 @@ def candidate_state(trace: str | Path, step: int) -> dict[str, dict[str, torch.T
         raise MissingRankError(f"ranks {missing} have no trace of step {step}: the reference cannot start step "
                                f"{step + 1} from the candidate's state; re-run the candidate", path=trace, step=step)
     out: dict[str, dict[str, torch.Tensor]] = {}
-    for phase in STATE_PHASES:
-        records = assembled_records(trace, step, phase, 0, "")
+    for phase, records in assembled_phases(trace, step, STATE_PHASES).items():
         if not records:
             raise TraceError(f"no {phase!r} records: trace the candidate with capture 'optim' (its main params and "
                              "Adam moments) in full mode to re-synchronise a reference to it", path=trace, step=step)

@@ -32,7 +32,7 @@ import torch
 from examples.gloo import released_groups
 from examples.torch_parallel.layout import Layout
 from examples.torch_parallel.train import Run, tracer_for
-from tracer.check import assembled_records
+from tracer.check import assembled_phases
 from tracer.reference import NoiseSampler
 from tracer.resync import candidate_state, load_state
 from tracer.store import TraceWriter
@@ -101,8 +101,8 @@ def _resync(run: Run, candidate: str, step: int) -> None:
     ``step``: parameters, Adam moments and FP8 delayed-scaling state (:mod:`tracer.resync`)."""
     load_state(run.opt, list(run.model.named_parameters()), candidate_state(candidate, step))
     if run.fp8_states():
-        run.load_fp8_state(assembled_records(candidate, step, "fp8_scale", 0, ""),
-                           assembled_records(candidate, step, "state", 0, ""))
+        fp8 = assembled_phases(candidate, step, ("fp8_scale", "state"))
+        run.load_fp8_state(fp8["fp8_scale"], fp8["state"])
 
 
 def trace_worker(rank: int, world: int, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:

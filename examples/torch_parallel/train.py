@@ -138,14 +138,14 @@ class Run:
         rank (each is computed from the amax reduced over all ranks), so they are stored
         replicated over TP, CP and DP and the checker compares the copies bitwise: an amax
         reduced over the wrong group shows there, at the step where it happened (B09, B12)."""
-        placement = self._fp8_placement()
+        placement, g = self._fp8_placement(), self._g_factor()
+        meta = {"g_scaled_by": self.layout.dp * self.layout.cp}
         for name, st in self.fp8_states().items():
             tr.tracer.set_microbatch(0)
-            tr.tracer.record(f"{name}.fp8.scale", st.meta.scale * self._g_factor(), "fp8_scale", placement=placement,
-                             meta={"g_scaled_by": self.layout.dp * self.layout.cp})
+            tr.tracer.record(f"{name}.fp8.scale", st.meta.scale * g, "fp8_scale", placement=placement, meta=meta)
             if "optim" in tr.capture:  # the delayed-scaling history, for a re-synchronised reference
-                tr.tracer.record(f"{name}.fp8.amax_history", st.meta.amax_history / self._g_factor(), "state",
-                                 placement=placement, meta={"g_scaled_by": self.layout.dp * self.layout.cp})
+                tr.tracer.record(f"{name}.fp8.amax_history", st.meta.amax_history / g, "state", placement=placement,
+                                 meta=meta)
 
     def _fp8_placement(self) -> dict[str, Any]:
         """FP8 scales and histories: the same on every rank (replicated over TP, CP and DP)."""
@@ -164,13 +164,14 @@ class Run:
         """Start the next step from a candidate's delayed-scaling state (as recorded by
         :meth:`record_fp8_scales` with capture ``optim``, full tensors by record name): each FP8
         linear's amax history and scales, converted back to this run's gradient scale."""
+        g = self._g_factor()
         for name, st in self.fp8_states().items():
             if f"{name}.fp8.amax_history" not in histories:
                 raise ValueError(f"the candidate's trace has no FP8 amax history of {name}: trace it with capture "
                                  "'optim' to re-synchronise a reference to it")
             m = st.meta
-            m.amax_history = histories[f"{name}.fp8.amax_history"].to(torch.float32) * self._g_factor()
-            m.scale = scales[f"{name}.fp8.scale"].to(torch.float32) / self._g_factor()
+            m.amax_history = histories[f"{name}.fp8.amax_history"].to(torch.float32) * g
+            m.scale = scales[f"{name}.fp8.scale"].to(torch.float32) / g
             m.scale_inv = torch.reciprocal(m.scale)
             m.amax, m.recompute = torch.zeros_like(m.amax), False
 
