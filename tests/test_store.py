@@ -6,7 +6,6 @@ import os
 import numpy as np
 import pytest
 import torch
-from safetensors import SafetensorError
 
 import tracer.store as store
 from tracer.errors import (CorruptTraceError, IncomparableRunsError, ManifestMismatchError,
@@ -124,7 +123,7 @@ def test_duplicate_index_and_reflush_refused(tmp_path):
         w.add("d", torch.ones(1), phase="fwd", step=0)
 
 
-@pytest.mark.parametrize("fail_at", ["save", "save_safetensors_error", "replace"])
+@pytest.mark.parametrize("fail_at", ["save", "replace"])
 def test_disk_full_leaves_no_partial_file(tmp_path, monkeypatch, fail_at):
     w = TraceWriter(tmp_path, 1, 2, LAYOUT, SIG)
     w.add("w", torch.randn(64), phase="grad", step=7)
@@ -132,13 +131,13 @@ def test_disk_full_leaves_no_partial_file(tmp_path, monkeypatch, fail_at):
     def enospc(*a, **k):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    def safetensors_enospc(*a, **k):  # what safetensors 0.8 raises on a full disk (seen in a real run)
-        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+    if fail_at == "save":  # the tensor file's write fails half-way
+        real_write = store.write_safetensors
 
-    if fail_at == "save":
-        monkeypatch.setattr(store, "save_file", enospc)
-    elif fail_at == "save_safetensors_error":
-        monkeypatch.setattr(store, "save_file", safetensors_enospc)
+        def write_then_fail(f, tensors, metadata):
+            real_write(f, tensors, metadata)
+            enospc()
+        monkeypatch.setattr(store, "write_safetensors", write_then_fail)
     else:  # the tensor file is renamed in, then the manifest's rename fails
         real = os.replace
         monkeypatch.setattr(os, "replace", lambda s, d: enospc() if str(d).endswith(".json") else real(s, d))
@@ -209,7 +208,7 @@ def test_background_writer_error_is_raised_later_and_the_step_kept(tmp_path, mon
     def enospc(*a, **k):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(store, "save_file", enospc)
+    monkeypatch.setattr(store, "write_safetensors", enospc)
     w.flush_step(7)  # returns: the write fails on the writing thread
     w.add("w", torch.randn(64), phase="grad", step=8)
     with pytest.raises(TraceWriteError, match="No space left on device.*step 7"):
@@ -237,7 +236,7 @@ def test_background_write_error_during_a_failed_run_is_warned_not_raised(tmp_pat
     def enospc(*a, **k):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(store, "save_file", enospc)
+    monkeypatch.setattr(store, "write_safetensors", enospc)
     with pytest.warns(RuntimeWarning, match="rank 0 could not write a step.*No space left"):
         with pytest.raises(RuntimeError, match="training failed"):  # the run's error, not the writer's
             with TraceWriter(tmp_path, 0, 1, LAYOUT, SIG, background=True) as w:

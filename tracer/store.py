@@ -21,7 +21,6 @@ which is what a long run can afford. NaN/Inf are findings, never exceptions.
 """
 from __future__ import annotations
 
-import errno
 import json
 import math
 import operator
@@ -34,9 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import orjson
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from tracer.errors import (
     CorruptTraceError,
@@ -46,6 +45,7 @@ from tracer.errors import (
     TraceError,
     TraceWriteError,
 )
+from tracer.safetensors_writer import write_safetensors
 from tracer.stats import STATS_CHUNK, tensor_stats, tensor_stats_many
 
 SCHEMA_VERSION = 1
@@ -151,14 +151,18 @@ def _fsync_dir(path: Path) -> None:
 def _write_json_atomic(path: Path, obj: Any) -> None:
     """Write JSON to a temp file in ``path``'s directory, fsync, ``os.replace``.
 
-    Compact, through ``json.dumps`` (C encoder): ``json.dump`` with an indent runs the
-    pure-Python encoder, which was ~40% of the stats-only tracer's per-step overhead.
-    Raises OSError with no temp file left behind.
+    Compact, through ``orjson`` (the same text as ``json.dumps(obj, separators=(",", ":"))``,
+    read back to equal values): the standard library's encoder formats floats at ~0.7 us
+    each, 3.3 ms of a demo step's 462 statistics entries against 0.25 ms, and a pure-Python
+    encoder (``json.dump`` with an indent) was ~40% of the stats-only tracer's per-step
+    overhead. ``orjson`` writes NaN and Inf as ``null`` where ``json`` raises: everything
+    written here is finite by construction (statistics, :func:`_jsonable` placements and
+    metas). Raises OSError with no temp file left behind.
     """
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(obj, allow_nan=False, separators=(",", ":")))
+        with os.fdopen(fd, "wb") as f:
+            f.write(orjson.dumps(obj))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -171,18 +175,12 @@ def _write_safetensors_atomic(path: Path, tensors: dict[str, torch.Tensor],
                               metadata: dict[str, str]) -> int:
     """Write a safetensors file atomically; returns its size in bytes."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
     try:
-        try:
-            save_file(tensors, tmp, metadata=metadata)
-        except SafetensorError as exc:  # safetensors reports its I/O failures (ENOSPC, EIO) this way
-            code = re.search(r"os error (\d+)", str(exc))
-            number = int(code.group(1)) if code else errno.EIO
-            raise OSError(number, os.strerror(number)) from exc
-        with open(tmp, "rb+") as f:
+        with os.fdopen(fd, "wb") as f:
+            size = write_safetensors(f, tensors, metadata)
+            f.flush()
             os.fsync(f.fileno())
             _drop_cached_pages(f.fileno())
-        size = os.path.getsize(tmp)
         os.replace(tmp, path)
         return size
     except BaseException:
