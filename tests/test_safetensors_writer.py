@@ -35,6 +35,9 @@ def test_every_dtype_reads_back_bit_exactly_as_from_the_library(tmp_path):
     tensors = {f"{name}/{i}": _sample(dtype, shape, seed=i)
                for i, (dtype, name) in enumerate(SAFETENSORS_DTYPES.items())
                for shape in shapes[i % len(shapes):][:2]}
+    # tensors over the join size, written from their own memory, between small ones
+    tensors.update({"big/f32": _sample(torch.float32, (128, 160), 90), "big/bf16": _sample(torch.bfloat16, (40961,), 91),
+                    "small/bf16": _sample(torch.bfloat16, (3,), 92)})
     meta = {"rank": "3", "run_id": "r\u00e9"}
     ours, theirs = tmp_path / "ours.safetensors", tmp_path / "theirs.safetensors"
     with open(ours, "wb") as f:

@@ -13,8 +13,8 @@ both, dtype by dtype).
 Why not ``safetensors.torch.save_file``: it spends ~25 us of Python per tensor (a numpy view,
 shared-storage and contiguity checks) before its Rust writer runs; a step of the demo model
 traces 462 small tensors, and that was 12 ms of its full-mode flush, ~40% of it. Here a
-tensor costs a header entry and one ``write`` of its buffer (no copy: the write reads the
-tensor's memory through the buffer protocol).
+tensor costs a header entry and its bytes: a large tensor is written from its own memory
+(the buffer protocol, no copy), consecutive small ones are joined into one write.
 """
 from __future__ import annotations
 
@@ -25,6 +25,11 @@ import orjson
 import torch
 
 __all__ = ["SAFETENSORS_DTYPES", "write_safetensors"]
+
+#: tensors of fewer bytes are copied into one buffer with their neighbours and written at once
+#: (a buffered write costs ~6 us, the copy of a small tensor less); larger ones are written
+#: from their own memory
+_JOIN_BELOW = 1 << 16
 
 #: torch dtype -> the format's dtype name, for every dtype ``safetensors.torch`` reads back
 SAFETENSORS_DTYPES: dict[torch.dtype, str] = {
@@ -59,7 +64,14 @@ def write_safetensors(f: BinaryIO, tensors: dict[str, torch.Tensor], metadata: d
     text += b" " * (-len(text) % 8)  # the tensors start 8-byte aligned, as the library writes them
     f.write(struct.pack("<Q", len(text)))
     f.write(text)
+    small: list[memoryview] = []  # consecutive small tensors, joined into one write
     for _, t in order:
-        if t.numel():
-            f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        if data.nbytes < _JOIN_BELOW:
+            small.append(data)
+            continue
+        f.write(b"".join(small))
+        small.clear()
+        f.write(data)
+    f.write(b"".join(small))
     return 8 + len(text) + offset
