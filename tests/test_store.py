@@ -280,10 +280,18 @@ def test_corrupt_header_same_size(tmp_path):
         r.verify(0, 0)
 
 
-def test_corrupt_manifest_json(tmp_path):
+@pytest.mark.parametrize("damage", ["truncated", "nan", "not_utf8"])
+def test_corrupt_manifest_json(tmp_path, damage):
     _write_run(tmp_path, steps=(0,))
     path = manifest_path(tmp_path, 0, 1)
-    path.write_text(path.read_text()[:100])
+    text = path.read_bytes()
+    if damage == "truncated":
+        text = text[:100]
+    elif damage == "nan":  # what a non-strict JSON writer would have written for a statistic
+        text = text.replace(b'"norm":', b'"norm":NaN,"x":', 1)
+    else:
+        text = text.replace(b'"entries"', b'"\xff\xfeentries"', 1)
+    path.write_bytes(text)
     with pytest.raises(CorruptTraceError, match=r"not valid JSON.*truncated or corrupt.*rank_00001.json, "
                        r"rank 1, step 0"):
         TraceReader(tmp_path).manifest(0, 1)
