@@ -9,16 +9,17 @@ from torch import nn
 from examples.transformer_block import Block
 from tracer.errors import TraceError
 from tracer.hooks import Tracer
+from tracer.stats import STATS_CHUNK
 from tracer.store import TraceReader, TraceWriter
 
 
-def _mlp(inplace=False, seed=0):
+def _mlp(inplace=False, seed=0, hidden=8):
     torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(inplace=inplace), nn.Linear(8, 2))
+    return nn.Sequential(nn.Linear(4, hidden), nn.ReLU(inplace=inplace), nn.Linear(hidden, 2))
 
 
-def _writer(root):
-    return TraceWriter(root, 0, 1, {}, "test-model")
+def _writer(root, **kwargs):
+    return TraceWriter(root, 0, 1, {}, "test-model", **kwargs)
 
 
 def _train(model, make_x, opt_cls, steps=3, tracer=None, microbatches=1):
@@ -68,7 +69,7 @@ def test_tracing_is_bitwise_neutral(case, tmp_path):
     ref = make_model()
     ref_losses = _train(ref, make_x, opt_cls, microbatches=mbs)
     model = make_model()
-    tracer = Tracer(model, _writer(tmp_path), defer="bf16" in case)  # both copy paths
+    tracer = Tracer(model, _writer(tmp_path, stage="bf16" in case))  # both copy paths
     losses = _train(model, make_x, opt_cls, tracer=tracer, microbatches=mbs)
     tracer.remove()
     assert len(losses) == len(ref_losses) == 3 * mbs
@@ -260,25 +261,43 @@ def _all_tensors(root):
     return {(s, e["key"]): reader.load(s, 0, e["key"]) for s in reader.steps() for e in reader.entries(s, 0)}
 
 
+@pytest.mark.parametrize("mode", ["full", "stats"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA"))])
-def test_deferred_copies_equal_eager_ones(tmp_path, device):
-    """Deferred device clones (the accelerator path) trace the same bits as eager writer copies,
-    also for outputs overwritten in place later (ReLU(inplace=True) after a Linear)."""
+def test_staged_records_equal_eager_ones(tmp_path, device, mode):
+    """Staged records (the accelerator path: asynchronous host copies, or in stats mode the
+    reductions of large tensors launched in the hook) trace what eager copies trace, also for
+    outputs overwritten in place later (ReLU(inplace=True) after a Linear)."""
     traces = []
-    for i, defer in enumerate((False, True)):
-        model = _mlp(inplace=True).to(device)
-        tracer = Tracer(model, _writer(tmp_path / str(i)), defer=defer)
-        make = _inputs((5, 4), torch.float32, requires_grad=True)
+    for i, stage in enumerate((False, True)):
+        model = _mlp(inplace=True, hidden=512).to(device)
+        tracer = Tracer(model, _writer(tmp_path / str(i), stage=stage, mode=mode))
+        make = _inputs((300, 4), torch.float32, requires_grad=True)  # 300 x 512 activations: over STATS_CHUNK
         _train(model, lambda s, mb, make=make: make(s, mb).detach().to(device).requires_grad_(),
                torch.optim.Adam, steps=2, tracer=tracer, microbatches=2)
         tracer.remove()
-        traces.append(_all_tensors(tmp_path / str(i)))
-    eager, deferred = traces
-    assert eager.keys() == deferred.keys() and len(eager) > 40
-    assert all(torch.equal(eager[k], deferred[k]) for k in eager)
-    pre_relu = [v for (s, k), v in eager.items() if k.startswith("fwd/0.output/")]
-    assert pre_relu and all((v < 0).any() for v in pre_relu)  # copied before the in-place ReLU
+        traces.append(TraceReader(tmp_path / str(i)))
+    eager, staged = traces
+    entries = {s: ({e["key"]: e for e in eager.entries(s, 0)}, {e["key"]: e for e in staged.entries(s, 0)})
+               for s in eager.steps()}
+    assert eager.steps() == staged.steps() == [0, 1]
+    large = 0
+    for s, (a, b) in entries.items():
+        assert a.keys() == b.keys() and len(a) > 40
+        for key, e in a.items():
+            large += e["stats"]["numel"] >= STATS_CHUNK
+            if mode == "full":
+                assert torch.equal(eager.load(s, 0, key), staged.load(s, 0, key)), key
+                assert e["stats"] == b[key]["stats"], key
+            else:  # PendingStats: the norm and mean in float64 in another order
+                sa, sb = e["stats"], b[key]["stats"]
+                assert {k: v for k, v in sa.items() if k not in ("norm", "mean")} == \
+                       {k: v for k, v in sb.items() if k not in ("norm", "mean")}, key
+                assert sb["norm"] == pytest.approx(sa["norm"], rel=1e-12, abs=1e-300), key
+                assert sb["mean"] == pytest.approx(sa["mean"], rel=1e-9, abs=1e-15 * sa["absmax"]), key
+    assert large >= 8
+    pre_relu = [e for s, (a, _) in entries.items() for k, e in a.items() if k.startswith("fwd/0.output/")]
+    assert pre_relu and all(e["stats"]["quantiles"]["0"] < 0 for e in pre_relu)  # taken before the ReLU
 
 
 def test_module_meta_reaches_the_records_of_matching_modules(tmp_path):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import tracer.stats as stats
-from tracer.stats import QUANTILES, STATS_CHUNK, _quantiles, tensor_stats, tensor_stats_many
+from tracer.stats import QUANTILES, STATS_CHUNK, PendingStats, _quantiles, tensor_stats, tensor_stats_many
 from tracer.store import TraceReader, TraceWriter
 
 
@@ -111,6 +111,60 @@ def test_many_splits_a_size_into_matrices_of_bounded_size(monkeypatch):
     monkeypatch.setattr(stats, "BATCH_ELEMENTS", 300)  # 3 rows per matrix: 9 matrices
     assert tensor_stats_many(ts) == whole
     assert [s["norm"] for s in whole] == pytest.approx([float(t.double().norm()) for t in ts], rel=1e-14)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.complex64])
+@pytest.mark.parametrize("poison", [None, "nan", "inf"])
+def test_pending_statistics_are_tensor_stats(dtype, poison):
+    """PendingStats against tensor_stats and an exact reference: the same extremes, counts and
+    subsample quantiles; the norm and mean within float64 rounding; with a NaN or an Inf the
+    counts, the finite subsample's quantiles, and no norm, absmax or mean (class doc)."""
+    g = torch.Generator().manual_seed(2)
+    x = (torch.randn(3001, generator=g, dtype=torch.float64) * 4).to(dtype)
+    x[2100] = 100
+    if poison:
+        x[1200] = float(poison)
+        x[1500] = float(poison)  # both on the stride-3 subsample
+    got, want = PendingStats(x).resolve(), tensor_stats(x)
+    unchanged = ("numel", "finite_count", "nan_count", "inf_count", "quantiles", "quantile_samples")
+    assert {k: got[k] for k in unchanged} == {k: want[k] for k in unchanged}
+    assert got["nan_count"] == 2 * (poison == "nan") and got["inf_count"] == 2 * (poison == "inf")
+    if poison:
+        assert got["norm"] is got["absmax"] is got["mean"] is None
+        assert got["quantile_samples"] == 999  # 1001 strided samples, less the two poisoned ones
+    else:
+        v = torch.view_as_real(x).reshape(-1).tolist() if x.is_complex() else x.double().tolist()
+        assert got["absmax"] == want["absmax"] == 100
+        assert got["norm"] == pytest.approx(math.sqrt(math.fsum(f * f for f in v)), rel=1e-13)
+        assert got["mean"] == pytest.approx(math.fsum(v) / len(v), rel=1e-12, abs=1e-15)
+    json.dumps(got, allow_nan=False)
+
+
+@pytest.mark.parametrize("bad", [torch.zeros(0), torch.ones(10, dtype=torch.int32), torch.ones(10).to(torch.float8_e4m3fn)])
+def test_pending_statistics_refuse_what_torch_cannot_reduce(bad):
+    assert not PendingStats.takes(bad)
+    with pytest.raises(ValueError, match="use tensor_stats"):
+        PendingStats(bad)
+
+
+def test_staged_stats_mode_keeps_no_copy_of_a_large_tensor(tmp_path):
+    """A staged stats-only writer (an accelerator's path, forced here) holds, per large tensor,
+    the reductions and a subsample of MAX_STAT_SAMPLES values, not a copy; an FP8 tensor, which
+    torch cannot reduce, is reduced at once; the statistics are those of the tensor as added."""
+    big = torch.randn(4 * STATS_CHUNK, generator=torch.Generator().manual_seed(3))
+    fp8 = big.to(torch.float8_e4m3fn)
+    with TraceWriter(tmp_path, 0, 1, {"tp": 1}, "sig", mode="stats", stage=True) as w:
+        w.add("big", big, phase="fwd", step=0)
+        w.add("fp8", fp8, phase="fwd", step=0)
+        want = tensor_stats(big)
+        big.mul_(3)  # after the hook: must not show
+        held = [b.stats_of for b in w._pending[0].values()]
+        assert isinstance(held[0], PendingStats) and held[1] is None
+        kept = [getattr(held[0], slot) for slot in PendingStats.__slots__]  # the event: None on the CPU
+        assert sum(t.numel() for t in kept if isinstance(t, torch.Tensor)) <= stats.MAX_STAT_SAMPLES + 6
+    got = {e["name"]: e["stats"] for e in TraceReader(tmp_path).entries(0, 0)}
+    assert got["big"]["norm"] == pytest.approx(want["norm"], rel=1e-13) and got["big"]["absmax"] == want["absmax"]
+    assert got["fp8"] == tensor_stats(fp8)
 
 
 def test_stats_mode_takes_a_tensor_as_it_was_when_added(tmp_path):

@@ -114,8 +114,9 @@ class Tracer:
     module name (module records) or local parameter name (grad/param records), the record's
     canonical name and the tensor to the writer's ``placement`` dict. ``grad_scale``:
     activation gradients (``bwd``) are stored multiplied by it (a copy; e.g. ``1/dp`` for
-    Megatron, whose per-rank loss is ``dp`` times its share of the global mean). ``defer``: clone tensors on their device in the hooks and hand
-    them to the writer at :meth:`end_step` (``None``: only tensors not on the CPU).
+    Megatron, whose per-rank loss is ``dp`` times its share of the global mean). Every
+    record goes to ``writer.add`` in the hook, which waits for no device: a tensor on an
+    accelerator is staged (``TraceWriter``'s ``stage``) and read at the flush.
     ``module_meta``: ``fnmatch`` pattern on local module names -> extra meta for every record
     of a matching module, read back by the checker (e.g. ``{"*.router.linear":
     tracer.decisions.topk_meta(2)}``: that module's output scores a top-2 choice).
@@ -142,7 +143,7 @@ class Tracer:
                  exclude: Sequence[str] = (), capture: Sequence[str] = CAPTURES,
                  name_fn: Callable[[str], str] | None = None,
                  placement_fn: Callable[[str, str, torch.Tensor], dict[str, Any]] | None = None,
-                 defer: bool | None = None, grad_scale: float = 1.0,
+                 grad_scale: float = 1.0,
                  module_meta: dict[str, dict[str, Any]] | None = None) -> None:
         unknown = set(capture) - set(CAPTURES)
         if unknown:
@@ -153,13 +154,11 @@ class Tracer:
         self.name_fn = name_fn or (lambda name: name)
         self.placement_fn = placement_fn
         self.module_meta = dict(module_meta or {})
-        self.defer = defer
         self.grad_scale = float(grad_scale)
         self._step: int | None = None
         self._microbatch = 0
         self._index = 0
         self._calls: dict[tuple[str, str, int], int] = {}
-        self._deferred: list[tuple[str, torch.Tensor, dict[str, Any]]] = []
         self._handles: list[Any] = []
         self._tensor_handles: list[Any] = []
         self.modules = {n: m for n, m in model.named_modules() if self._selected(n)}
@@ -256,14 +255,9 @@ class Tracer:
         meta.setdefault("call", call)
         if placement is None and self.placement_fn is not None and local is not None:
             placement = self.placement_fn(local, name, tensor)
-        kwargs = {"phase": phase, "step": self._step, "microbatch": mb, "index": self._index,
-                  "placement": placement, "meta": meta}
-        self._index += 1
-        if self.defer or (self.defer is None and tensor.device.type != "cpu"):
-            # device copy now (no host sync), host copy + statistics at end_step
-            self._deferred.append((name, tensor.detach().clone(), kwargs))
-        else:
-            self.writer.add(name, tensor, **kwargs)
+        index, self._index = self._index, self._index + 1
+        self.writer.add(name, tensor, phase=phase, step=self._step, microbatch=mb, index=index,
+                        placement=placement, meta=meta)
 
     def record(self, name: str, tensor: torch.Tensor, phase: str, *,
                placement: dict[str, Any] | None = None, meta: dict[str, Any] | None = None) -> None:
@@ -306,14 +300,11 @@ class Tracer:
         self._microbatch = int(microbatch)
 
     def end_step(self) -> None:
-        """Hand deferred copies to the writer and flush the step (``writer.flush_step``)."""
+        """Flush the step (``writer.flush_step``)."""
         if self._step is None:
             raise TraceError("no step is active")
         step = self._step
         self._close_step()
-        for name, t, kwargs in self._deferred:
-            self.writer.add(name, t, **kwargs)
-        self._deferred.clear()
         self.writer.flush_step(step)
 
     def _close_step(self) -> None:
@@ -331,7 +322,6 @@ class Tracer:
             yield self
         except BaseException:
             self._close_step()
-            self._deferred.clear()
             raise
         self.end_step()
 

@@ -6,7 +6,9 @@ activations of a small model), and one tensor's statistics cost ~10 torch calls 
 ~110 us each, measured as 80% of stats-only tracing's overhead on the demo model. The
 batched form stacks the tensors of equal size into one matrix and reduces its rows, a
 constant number of calls per size, with the same float64 arithmetic per tensor (module
-functions' docstrings).
+functions' docstrings). ``PendingStats(t)`` reduces a large tensor on an accelerator where it
+lives without waiting for the result, so that a stats-only trace neither stalls the step on
+a host sync nor keeps a copy of the tensor; its ``resolve()`` reads the result at the flush.
 """
 from __future__ import annotations
 
@@ -32,7 +34,7 @@ BATCH_ELEMENTS = 1 << 20
 
 
 #: dtypes whose finiteness test and float64-accumulated reductions torch computes in place
-_NATIVE_STATS_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+NATIVE_STATS_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
 #: dtypes whose every value float32 holds exactly: ``tensor_stats_many`` widens them to float64
@@ -114,16 +116,81 @@ def tensor_stats(t: torch.Tensor, quantiles: tuple[float, ...] = QUANTILES,
     return stats
 
 
+class PendingStats:
+    """:func:`tensor_stats` of a tensor of a :data:`NATIVE_STATS_DTYPES` dtype, launched where it
+    lives without a host sync; :meth:`resolve` waits for and reads them.
+
+    Each statistic is one reduction over the whole tensor (the norm and the sum accumulated
+    in float64, as ``tensor_stats`` does chunk by chunk, so they agree to float64 rounding;
+    the extremes, NaN and Inf counts exact), plus a device copy of the same strided subsample
+    of at most ``max_samples`` elements for the quantiles: the tensor itself is not kept.
+    What the kernels read is the tensor at the time of the call (stream order), as a copy
+    would. One difference, stated: a tensor holding NaN or Inf gets exact counts and the
+    quantiles of its subsample's finite values, but ``norm``, ``absmax`` and ``mean`` are
+    ``None`` (over the finite values alone they would take a masked pass more on every
+    tensor; a NaN or an Inf is the finding).
+    """
+
+    __slots__ = ("numel", "_values", "_sample", "_quantiles", "_done")
+
+    @staticmethod
+    def takes(t: torch.Tensor) -> bool:
+        """Whether ``t`` can be reduced this way: a non-empty tensor of a native dtype (complex
+        ones by their real and imaginary parts)."""
+        return (t.dtype.to_real() if t.is_complex() else t.dtype) in NATIVE_STATS_DTYPES and t.numel() > 0
+
+    def __init__(self, t: torch.Tensor, quantiles: tuple[float, ...] = QUANTILES,
+                 max_samples: int = MAX_STAT_SAMPLES) -> None:
+        x = t.detach().reshape(-1)
+        if x.is_complex():
+            x = torch.view_as_real(x).reshape(-1)
+        if not self.takes(x):
+            raise ValueError(f"PendingStats takes a non-empty tensor of {NATIVE_STATS_DTYPES}, got {x.dtype} "
+                             f"of {x.numel()} elements: use tensor_stats")
+        self.numel = x.numel()
+        self._quantiles = quantiles
+        lo, hi = torch.aminmax(x)
+        self._values = torch.stack([torch.linalg.vector_norm(x, dtype=torch.float64), x.sum(dtype=torch.float64),
+                                    lo.double(), hi.double(), torch.isnan(x).sum().double(),
+                                    torch.isinf(x).sum().double()])
+        self._sample = x[::-(-self.numel // max_samples)].clone()  # tensor_stats's subsample
+        self._done: torch.Event | None = None  # marks the kernels done, on whatever stream they ran
+        if x.device.type != "cpu":
+            self._done = torch.Event(x.device)
+            self._done.record()
+
+    def resolve(self) -> dict[str, Any]:
+        """The statistics, as :func:`tensor_stats` gives them (class doc for NaN/Inf). Waits for
+        the reductions first: the caller may be another thread, on another stream."""
+        if self._done is not None:
+            self._done.synchronize()
+        norm, total, lo, hi, n_nan, n_inf = self._values.tolist()
+        nan_count, inf_count = int(n_nan), int(n_inf)
+        finite_count = self.numel - nan_count - inf_count
+        sample = self._sample.to("cpu", torch.float64)
+        if finite_count < self.numel:
+            sample = sample[torch.isfinite(sample)]
+        stats: dict[str, Any] = {"numel": self.numel, "finite_count": finite_count, "nan_count": nan_count,
+                                 "inf_count": inf_count, "norm": None, "absmax": None, "mean": None,
+                                 "quantiles": None, "quantile_samples": int(sample.numel())}
+        if sample.numel():
+            stats["quantiles"] = dict(zip((f"{q:g}" for q in self._quantiles), _quantiles(sample, self._quantiles)))
+        if finite_count == self.numel:
+            stats.update(norm=norm if math.isfinite(norm) else None,  # float64 overflow of |x|^2
+                         absmax=max(-lo, hi), mean=total / self.numel)
+        return stats
+
+
 def _reducible(c: torch.Tensor) -> torch.Tensor:
     """``c``, or its float64 copy for dtypes torch has no reduction kernels for (FP8, integers, bool)."""
-    return c if c.dtype in _NATIVE_STATS_DTYPES else c.to(torch.float64)
+    return c if c.dtype in NATIVE_STATS_DTYPES else c.to(torch.float64)
 
 
 def _min_max(x: torch.Tensor) -> tuple[float, float]:
     """Smallest and largest element of a non-empty 1-D ``x``, as floats, in one pass (NaN if
     ``x`` holds one). Dtypes without reduction kernels are widened chunk by chunk, never whole
     (an FP8 tensor of a billion elements would need 8 GB as float64)."""
-    if x.dtype in _NATIVE_STATS_DTYPES:
+    if x.dtype in NATIVE_STATS_DTYPES:
         return tuple(torch.stack(torch.aminmax(x)).double().tolist())  # type: ignore[return-value]
     parts = torch.stack([torch.stack(torch.aminmax(c.to(torch.float64))) for c in torch.split(x, REDUCTION_CHUNK)])
     return parts[:, 0].min().item(), parts[:, 1].max().item()

@@ -46,7 +46,7 @@ from tracer.errors import (
     TraceWriteError,
 )
 from tracer.safetensors_writer import write_safetensors
-from tracer.stats import STATS_CHUNK, tensor_stats, tensor_stats_many
+from tracer.stats import STATS_CHUNK, PendingStats, tensor_stats, tensor_stats_many
 
 SCHEMA_VERSION = 1
 MODES = ("full", "stats")
@@ -188,6 +188,19 @@ def _write_safetensors_atomic(path: Path, tensors: dict[str, torch.Tensor],
         raise
 
 
+def _host_copy(t: torch.Tensor, staged: bool) -> tuple[torch.Tensor, torch.Event | None]:
+    """A contiguous CPU copy of ``t`` and, when it is still in flight, the event that marks it
+    done: a staged accelerator tensor is copied into pinned memory with ``non_blocking=True``
+    (the step goes on; :meth:`TraceWriter._write_step` waits for the event), anything else at once."""
+    if not staged or t.device.type == "cpu":
+        return t.to("cpu", copy=True).contiguous(), None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    done = torch.Event(t.device)
+    done.record()
+    return host, done
+
+
 def _drop_cached_pages(fd: int) -> None:
     """Evict a written, fsync'ed file's pages from the page cache (best effort).
 
@@ -218,12 +231,14 @@ def _unlink_quietly(path: Path) -> None:
 
 class _Buffered(NamedTuple):
     """A traced tensor waiting for its step's flush: its manifest entry, what the tensor file
-    stores for it (None in stats mode), and the copy whose statistics the flush takes (None
-    once they are in the entry: a large tensor of stats mode)."""
+    stores for it (None in stats mode), what the flush takes its statistics of (a copy, or the
+    :class:`~tracer.stats.PendingStats` of a staged large tensor; None once they are in the
+    entry), and the event that marks a staged copy to the host done (None: nothing to wait for)."""
 
     entry: dict[str, Any]
     stored: torch.Tensor | None
-    stats_of: torch.Tensor | None
+    stats_of: torch.Tensor | PendingStats | None
+    ready: torch.Event | None = None
 
 
 @dataclass(frozen=True)
@@ -261,6 +276,17 @@ class TraceWriter:
     (``tracer.stats.tensor_stats_many``: a few torch calls per distinct size, where one
     tensor at a time cost ~110 us each). Full mode takes every copy's statistics at the flush.
 
+    ``stage``: a tensor on an accelerator is *staged*, so that ``add`` never waits for the
+    device: in full mode its copy goes to pinned host memory with ``non_blocking=True`` and an
+    event marks it done; in stats mode a large one is reduced by
+    :class:`~tracer.stats.PendingStats` (no copy kept; FP8, integer and bool tensors, which
+    torch has no reductions for, are reduced at once); the flush waits for both. The device
+    thus holds no copy of the traced tensors: a stats-only trace of a step adds a few numbers
+    and small tensors' copies per traced tensor to device memory, a full one nothing. CPU
+    tensors are copied or reduced at once, which is the same cost. ``stage=True`` stages CPU
+    tensors too (tests of the staged path on a machine without an accelerator), ``False``
+    nothing.
+
     ``background=True`` writes each flushed step, after its copies' statistics,
     on a thread of its own while the run goes on (writing and torch's reductions release the
     GIL): a full trace of a large model then costs little more than its copies. At most one
@@ -271,7 +297,7 @@ class TraceWriter:
 
     def __init__(self, root: str | Path, rank: int, world_size: int, layout: dict[str, Any],
                  model_signature: str, *, run_id: str = "", mode: str = "full",
-                 background: bool = False) -> None:
+                 background: bool = False, stage: bool | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not 0 <= rank < world_size:
@@ -283,6 +309,7 @@ class TraceWriter:
         self.model_signature = str(model_signature)
         self.run_id = str(run_id)
         self.mode = mode
+        self.stage = stage
         self._pending: dict[int, dict[int, _Buffered]] = {}
         self._flushed: set[int] = set()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"trace-writer-rank{rank}") if background else None
@@ -351,13 +378,17 @@ class TraceWriter:
             # statistics are taken at the flush, a step's tensors at once (tensor_stats_many), from
             # what a full trace stores, or in stats mode from a copy of a small tensor on its device;
             # a large one's are taken now, reading it where it is (no copy, and its reductions dominate)
+            staged = view.device.type != "cpu" if self.stage is None else self.stage
             if self.mode == "full":
                 entry, stored = self._kept(entry, view)
+                ready = None
                 if stored is view:
-                    stored = view.to("cpu", copy=True).contiguous()
-                entries[index] = _Buffered(entry, stored, stored)
+                    stored, ready = _host_copy(view, staged)
+                entries[index] = _Buffered(entry, stored, stored, ready)
             elif view.numel() < STATS_CHUNK:
                 entries[index] = _Buffered(entry, None, view.clone())
+            elif staged and PendingStats.takes(view):
+                entries[index] = _Buffered(entry, None, PendingStats(view))
             else:
                 entry["stats"] = tensor_stats(view)
                 entries[index] = _Buffered(entry, None, None)
@@ -416,9 +447,16 @@ class TraceWriter:
         """Write ``entries`` as ``step``'s tensor file and manifest (tensors first: a manifest is
         the commit), after the statistics left to it; returns the manifest path. Touches no
         state of the writer, so that it can run on the writing thread."""
+        for b in entries:
+            if b.ready is not None:
+                b.ready.synchronize()
         todo = [b for b in entries if b.stats_of is not None and b.entry["stats"] is None]
+        copies = [b for b in todo if isinstance(b.stats_of, torch.Tensor)]
         with torch._C.DisableTorchFunction():
-            for b, stats in zip(todo, tensor_stats_many([b.stats_of for b in todo])):
+            for b in todo:
+                if isinstance(b.stats_of, PendingStats):
+                    b.entry["stats"] = b.stats_of.resolve()
+            for b, stats in zip(copies, tensor_stats_many([b.stats_of for b in copies])):
                 b.entry["stats"] = stats
         sdir = step_dir(self.root, step)
         tpath, mpath = tensor_path(self.root, step, self.rank), manifest_path(self.root, step, self.rank)
