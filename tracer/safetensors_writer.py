@@ -19,6 +19,7 @@ tensor costs a header entry and its bytes: a large tensor is written from its ow
 from __future__ import annotations
 
 import struct
+import sys
 from typing import BinaryIO
 
 import orjson
@@ -48,6 +49,8 @@ def write_safetensors(f: BinaryIO, tensors: dict[str, torch.Tensor], metadata: d
     file ``f``; returns the bytes written. Raises ``ValueError`` naming a tensor that is not
     a contiguous CPU tensor of a dtype the format has (:data:`SAFETENSORS_DTYPES`), before
     anything is written; ``OSError`` from the writes (a full disk) propagates."""
+    if sys.byteorder != "little":  # the bytes are written as they lie in memory
+        raise NotImplementedError("safetensors stores little-endian data; this machine is big-endian")
     header: dict[str, object] = {"__metadata__": metadata}
     offset = 0
     order = sorted(tensors.items(), key=lambda item: -item[1].element_size())  # stable: dict order within a size
