@@ -240,6 +240,7 @@ class Case:
     entries: dict[int, dict[str, Any]]
     rank: int                       # the candidate rank whose shard is corrupted
     per_tensor: float               # our per-tensor false-alarm rate
+    few_sources: bool               # tracer.check.few_sources for this tensor, as compare decides it
     bound: float                    # the depth rule's relative bound
     layer: int
     k0: float = math.nan            # the depth rule's zero-false-positive k for this phase (clean_census)
@@ -261,7 +262,8 @@ class Case:
         full, notes = self.full(delta)
         t = self.target
         return _check_one(t.step, (t.phase, t.name, t.microbatch, t.call), self.ref_e, self.ref_t, full, notes,
-                          self.noisy, self.per_tensor, self.entries, block_scale=block_scale)
+                          self.noisy, self.per_tensor, self.entries, block_scale=block_scale,
+                          few_sources=self.few_sources)
 
     def flags(self, method: str, delta: float) -> bool:
         """Does ``method`` flag the tensor when the shard is scaled by ``1 + delta``?"""
@@ -341,20 +343,19 @@ def _index(reader, step: int) -> dict[tuple, dict[int, dict[str, Any]]]:
 def load_case(ref_root: Path, cand_root: Path, target: Target, per_tensor: float, num_layers: int,
               eps: float) -> Case:
     """Everything :func:`tracer.check.compare` would read for ``target`` (read-only)."""
-    from tracer.check import noise_dirs
+    from tracer.check import few_sources, noise_dirs, samples_restart
     from tracer.store import TraceReader
     ref, cand = TraceReader(ref_root), TraceReader(cand_root)
     key = (target.phase, target.name, target.microbatch, target.call)
     ref_e = _index(ref, target.step)[key][0]
     entries = _index(cand, target.step)[key]
-    noisy = []
-    for d in noise_dirs(ref_root):
-        n = TraceReader(d)
-        noisy.append(n.load(target.step, 0, _index(n, target.step)[key][0]["key"]))
+    readers = [TraceReader(d) for d in noise_dirs(ref_root)]
+    noisy = [n.load(target.step, 0, _index(n, target.step)[key][0]["key"]) for n in readers]
     layer = layer_index(target.name, num_layers)
     return Case(target, ref_e, ref.load(target.step, 0, ref_e["key"]), noisy,
                 {r: cand.load(target.step, r, e["key"]) for r, e in entries.items()}, entries, min(entries),
-                per_tensor, depth_bound(layer, num_layers, eps), layer)
+                per_tensor, few_sources(target.phase, samples_restart(readers)), depth_bound(layer, num_layers, eps),
+                layer)
 
 
 def measure(case: Case, dtype: str, clean_row) -> Result:

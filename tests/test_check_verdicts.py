@@ -78,3 +78,29 @@ def test_a_tensor_no_sample_moved_gets_two_ulp():
     assert ok.status == "ok" and ok.threshold == pytest.approx(2 * ulp) and ok.ratio == pytest.approx(0.5625)
     bad = _check_one(0, ("loss", "loss", 1, 0), ENTRY, ref, ref.double() + 2.5 * ulp, [], noisy, 1e-2, {})
     assert bad.status == "over"
+
+
+def test_few_source_cap_is_lifted_only_before_the_update_of_restarted_samples(tmp_path):
+    """tracer.check.samples_restart reads the samples' run.json meta; few_sources keeps the cap
+    on every phase of unrestarted samples and on the phases after the optimizer update."""
+    from tracer.check import few_sources, samples_restart
+    from tracer.store import PRE_UPDATE_PHASES, TraceReader, TraceWriter
+    for name, meta in (("restarted", {"restarts_each_step": True}), ("plain", None)):
+        TraceWriter(tmp_path / name, 0, 1, {}, "sig", run_meta=meta).close()
+    restarted, plain = TraceReader(tmp_path / "restarted"), TraceReader(tmp_path / "plain")
+    assert samples_restart([restarted, restarted]) and not samples_restart([restarted, plain])
+    assert not samples_restart([])
+    assert all(not few_sources(p, True) and few_sources(p, False) for p in PRE_UPDATE_PHASES)
+    assert all(few_sources(p, True) for p in ("param", "main_param", "exp_avg", "state"))
+
+
+def test_without_the_few_source_cap_n_eff_is_the_participation_ratio():
+    """Four samples whose squared norms spread widely: the cap (2 mean^2 / var) binds, and
+    without it n_eff is the participation ratio; the threshold factor follows F(n, 4n)."""
+    from tracer.thresholds import _f_quantile, moments_threshold
+    z = [1.0, 1.0, 1.0, 5.0]              # mean 2, var 4: moment estimate 2
+    m_sq = 16 * (8.0 / 16) ** 2           # 16 equal elements of m: participation ratio 16
+    capped, free = moments_threshold(z, m_sq, 1e-5), moments_threshold(z, m_sq, 1e-5, few_sources=False)
+    assert capped.n_eff == pytest.approx(2.0) and free.n_eff == pytest.approx(16.0)
+    assert free.factor == pytest.approx(math.sqrt(_f_quantile(1e-5, 16, 64)))
+    assert free.threshold < capped.threshold and free.rms_deviation == capped.rms_deviation

@@ -224,6 +224,24 @@ def test_resynchronised_comparison_is_clean(synced, dtype):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_restarted_samples_lift_the_few_source_cap_before_the_update_only(synced, dtype, monkeypatch):
+    """The re-synchronised reference's samples say they restart each step; the comparison then
+    checks the tensors recorded before the optimizer update without the few-source cap on their
+    degrees of freedom, and keeps it on the parameters after the update."""
+    import tracer.check as check
+    from tracer.store import TraceReader
+    readers = [TraceReader(d) for d in check.noise_dirs(synced / f"ref_{dtype}")]
+    assert len(readers) == 2 and check.samples_restart(readers)
+    assert not check.samples_restart([TraceReader(synced / f"own_{dtype}")])  # a plain trace: no such meta
+    seen, routed = set(), check._check_routed
+    monkeypatch.setattr(check, "_check_routed", lambda *a, few_sources, **k: (
+        seen.add((a[1][0], few_sources)), routed(*a, few_sources=few_sources, **k))[1])
+    assert check.compare(synced / f"ref_{dtype}", synced / f"cand_{dtype}").first is None
+    assert {p for p, _ in seen} >= {"fwd", "bwd", "grad", "param"}
+    assert all(cap == (phase == "param") for phase, cap in seen), sorted(seen)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_localisation_rerun_starts_from_the_candidates_state(synced, dtype):
     """Re-running a module of step 2 on the candidate's inputs: re-synchronised, the module's
     weights are the candidate's, and the local difference is that of one computation; on the

@@ -152,19 +152,20 @@ def _block_pass(ref: torch.Tensor, x: torch.Tensor, work: torch.dtype, deviation
 
 
 def scale_test(sample_coordinates: list[torch.Tensor], coordinates: Callable[[], torch.Tensor],
-               false_alarm: float) -> tuple[float, float]:
+               false_alarm: float, *, few_sources: bool = True) -> tuple[float, float]:
     """``(||y||, T)`` of the block-scale statistic: ``T`` from the noise samples' coordinates
     (:func:`~tracer.thresholds.deviation_threshold` at per-tensor probability ``false_alarm``),
     ``y = coordinates()`` of the tested tensor, computed only when ``T > 0`` (else ``||y||`` is
     NaN: no sample moved the tensor along the reference, the norm statistic decides alone)."""
-    threshold = deviation_threshold(sample_coordinates, false_alarm).threshold
+    threshold = deviation_threshold(sample_coordinates, false_alarm, few_sources=few_sources).threshold
     if threshold <= 0:
         return math.nan, threshold
     return float(torch.linalg.vector_norm(coordinates())), threshold
 
 
 def verdict_ratio(error: float, threshold: float, sample_coordinates: list[torch.Tensor] | None,
-                  coordinates: Callable[[], torch.Tensor], false_alarm: float) -> tuple[float, float, float]:
+                  coordinates: Callable[[], torch.Tensor], false_alarm: float, *,
+                  few_sources: bool = True) -> tuple[float, float, float]:
     """``(ratio, ||y||, T)``: a tensor's error/threshold ratio over both statistics, the norm
     statistic's ``error / threshold`` (0 for no error under a zero threshold, else infinite)
     and, when ``sample_coordinates`` is given, :func:`scale_test`'s ``||y|| / T`` where ``T > 0``
@@ -172,7 +173,8 @@ def verdict_ratio(error: float, threshold: float, sample_coordinates: list[torch
     ratio = error / threshold if threshold > 0 else (0.0 if error == 0 else math.inf)
     scale_error = scale_threshold = math.nan
     if sample_coordinates is not None:
-        scale_error, scale_threshold = scale_test(sample_coordinates, coordinates, false_alarm)
+        scale_error, scale_threshold = scale_test(sample_coordinates, coordinates, false_alarm,
+                                                  few_sources=few_sources)
         if scale_threshold > 0:
             ratio = max(ratio, scale_error / scale_threshold)
     return ratio, scale_error, scale_threshold

@@ -53,11 +53,12 @@ from tracer.deviation import (DEVIATION_FIELD, DeviationOf, Key, SampleMoments, 
                               stored_rounded, work_dtype)
 from tracer.difference import difference_norms
 from tracer.errors import IncomparableRunsError, TraceError
-from tracer.store import CARRIED_PHASES, TraceReader
+from tracer.store import CARRIED_PHASES, PRE_UPDATE_PHASES, TraceReader
 from tracer.thresholds import (DEFAULT_FALSE_ALARM, deviation_threshold, moments_threshold, noise_threshold,
                                unmodelled_threshold)
 
-__all__ = ["Comparison", "TensorCheck", "assembled_phases", "assembled_records", "compare", "localise", "noise_dirs"]
+__all__ = ["Comparison", "TensorCheck", "assembled_phases", "assembled_records", "compare", "few_sources", "localise",
+           "noise_dirs", "samples_restart"]
 
 
 
@@ -143,6 +144,23 @@ def noise_dirs(ref_root: str | Path) -> list[Path]:
     return sorted(p for p in base.glob("sample_*") if (p / "run.json").is_file()) if base.is_dir() else []
 
 
+def samples_restart(noise: Iterable[TraceReader]) -> bool:
+    """Whether every noise sample restarted each step from the reference's state, as those of
+    a reference re-synchronised to its candidate do (``run.json`` meta ``restarts_each_step``,
+    written by :class:`tracer.reference.NoiseSampler`); False without samples."""
+    readers = list(noise)
+    return bool(readers) and all((r.run.get("meta") or {}).get("restarts_each_step") is True for r in readers)
+
+
+def few_sources(phase: str, restarted: bool) -> bool:
+    """Whether a tensor's threshold keeps the few-source cap on its degrees of freedom
+    (:mod:`tracer.thresholds`, ``few_sources``): everywhere but on the tensors a step records
+    before its optimizer update (:data:`~tracer.store.PRE_UPDATE_PHASES`) when the samples
+    restart every step (:func:`samples_restart`). There every run starts the step from the same
+    parameters, so no discrete Adam flip can drive the deviation."""
+    return not (restarted and phase in PRE_UPDATE_PHASES)
+
+
 def _index_by_key(reader: TraceReader, step: int) -> dict[Key, dict[int, dict[str, Any]]]:
     """key -> {rank: entry} over every present rank of ``step``."""
     out: dict[Key, dict[int, dict[str, Any]]] = defaultdict(dict)
@@ -205,9 +223,10 @@ def _max_abs(x: torch.Tensor) -> float:
 def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, cand_t: torch.Tensor,
                notes: list[str], noisy: "list[torch.Tensor] | SampleMoments", false_alarm: float,
                cand_entries: dict[int, dict[str, Any]], work: torch.dtype | None = None, *,
-               block_scale: bool = True) -> TensorCheck:
+               block_scale: bool = True, few_sources: bool = True) -> TensorCheck:
     """The verdict on one tensor (module doc); ``noisy``: the noise samples, whole or as their
-    moments (:mod:`tracer.deviation`).
+    moments (:mod:`tracer.deviation`); ``few_sources``: the thresholds' degrees of freedom are
+    also capped by the samples' spread (:func:`few_sources`).
 
     Arithmetic runs in ``work``: by default float32 for tensors stored in fp32/bf16/fp16 (half
     the memory traffic of float64, :func:`~tracer.deviation.work_dtype`), float64 otherwise,
@@ -223,7 +242,7 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
                                 "reference (a wrong placement or a wrong computation)")
     if work is None and work_dtype(ref_t.dtype, cand_t.dtype) == torch.float32:
         row = _check_one(step, key, ref_e, ref_t, cand_t, notes, noisy, false_alarm, cand_entries, torch.float32,
-                         block_scale=block_scale)
+                         block_scale=block_scale, few_sources=few_sources)
         if row.status == "nonfinite" or not any(map(math.isinf, (row.error, row.threshold, row.ref_norm))):
             return row  # else a float32 overflow: again in float64
     work = torch.float64 if work is None else work
@@ -271,17 +290,19 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
                            max_abs=max_abs, ref_norm=ref_norm, note="no noise sample traced this tensor")
     q = false_alarm / 2 if blocks else false_alarm
     if isinstance(noisy, SampleMoments):
-        th, sample_blocks = moments_threshold(noisy.z, noisy.m_sq, q), (noisy.blocks if blocks else None)
+        th = moments_threshold(noisy.z, noisy.m_sq, q, few_sources=few_sources)
+        sample_blocks = noisy.blocks if blocks else None
     else:
         devs = [deviation()(n) for n in noisy]
-        th = deviation_threshold(devs, q)
+        th = deviation_threshold(devs, q, few_sources=few_sources)
         sample_blocks = [block_scales(deviation().ref, d, work, deviation=True) for d in devs] if blocks else None
     if th.threshold == 0.0 and ref_t.is_floating_point():
         th = unmodelled_threshold(deviation().ref, ref_t.dtype)
         sample_blocks = None  # no sample moved it: the norm statistic's ulp threshold decides alone
     ratio, scale_error, scale_threshold = verdict_ratio(
         error, th.threshold, sample_blocks,
-        lambda: cand_blocks if norms is not None else block_scales(deviation().ref, deviation().part(cand_t), work), q)
+        lambda: cand_blocks if norms is not None else block_scales(deviation().ref, deviation().part(cand_t), work), q,
+        few_sources=few_sources)
     status = "over" if ratio > 1 else "ok"
     note = "; ".join(notes)
     if notes:
@@ -299,7 +320,8 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
 def _check_routed(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, cand_t: torch.Tensor,
                   notes: list[str], noisy: "list[torch.Tensor] | SampleMoments", false_alarm: float,
                   cand_entries: dict[int, dict[str, Any]],
-                  changed: dict[tuple[int, str, int, int], ChoiceChange], block_scale: bool = True) -> TensorCheck:
+                  changed: dict[tuple[int, str, int, int], ChoiceChange], block_scale: bool = True,
+                  few_sources: bool = True) -> TensorCheck:
     """:func:`_check_one` with top-k choices (:mod:`tracer.decisions`): a module's scores,
     when within threshold, record in ``changed`` which tokens' choices differ; the scores'
     gradient and the tensors that consume the choice leave those tokens out (a consumer
@@ -314,19 +336,20 @@ def _check_routed(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tenso
             mask = change.left_out
             row = _check_one(step, key, ref_e, without_choices(ref_t, mask), without_choices(cand_t, mask), notes,
                              [without_choices(n, mask) for n in noisy], false_alarm, cand_entries,
-                             block_scale=block_scale)
+                             block_scale=block_scale, few_sources=few_sources)
             row.note = "; ".join(x for x in (row.note, f"{int(mask.sum())} token(s) left out: their top-k choice "
                                                        "legitimately differs (tracer.decisions)") if x)
             return row
         if change.in_candidate:
             row = _check_one(step, key, ref_e, ref_t, cand_t, notes, noisy, false_alarm, cand_entries,
-                             block_scale=block_scale)
+                             block_scale=block_scale, few_sources=few_sources)
             if row.status in ("ok", "over"):
                 _not_compared(row, f"it depends on the top-k choice of {scores_of}, which legitimately differs on "
                                    f"{change.in_candidate} token(s) of this microbatch, and has no token rows to "
                                    "leave them out")
             return row
-    row = _check_one(step, key, ref_e, ref_t, cand_t, notes, noisy, false_alarm, cand_entries, block_scale=block_scale)
+    row = _check_one(step, key, ref_e, ref_t, cand_t, notes, noisy, false_alarm, cand_entries, block_scale=block_scale,
+                     few_sources=few_sources)
     topk = meta.get(TOPK_META)
     if topk and key[0] == "fwd" and row.status == "ok" and noisy:
         change = choice_changes(ref_t, cand_t, noisy, topk["k"], topk["dim"])
@@ -389,7 +412,7 @@ def _stats_norm(entries: dict[int, dict[str, Any]]) -> float | None:
 
 def _check_stats(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor,
                  cand_entries: dict[int, dict[str, Any]], noisy: "list[torch.Tensor] | SampleMoments",
-                 false_alarm: float) -> TensorCheck:
+                 false_alarm: float, few_sources: bool = True) -> TensorCheck:
     """A candidate traced in statistics-only mode: ``| ||c|| - ||r|| | <= ||c - r||`` (reverse
     triangle inequality) is a lower bound of the error, so exceeding the threshold with it is
     a sound detection (a difference that keeps the norm goes unseen)."""
@@ -409,8 +432,9 @@ def _check_stats(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor
         return TensorCheck(**base, status="unchecked", error=math.nan, threshold=math.nan, ratio=math.nan,
                            max_abs=math.nan, ref_norm=ref_norm,
                            note="stats-only candidate: no norm to compare (pending sum, NaN/Inf or no noise)")
-    th = (moments_threshold(noisy.z, noisy.m_sq, false_alarm) if isinstance(noisy, SampleMoments)
-          else noise_threshold(r, [n.double() for n in noisy], false_alarm))
+    th = (moments_threshold(noisy.z, noisy.m_sq, false_alarm, few_sources=few_sources)
+          if isinstance(noisy, SampleMoments)
+          else noise_threshold(r, [n.double() for n in noisy], false_alarm, few_sources=few_sources))
     if th.threshold == 0.0 and ref_t.is_floating_point():
         th = unmodelled_threshold(r, ref_t.dtype)
     err = abs(cn - ref_norm)
@@ -457,7 +481,10 @@ def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str
     ``noise``: noise-sample trace directories (default: ``reference/noise/sample_*``).
     ``false_alarm``: the probability, under the thresholds' conservative equal-variance
     model, that a correct candidate has any tensor over its threshold in this comparison
-    (each of the ``N`` tensors gets ``false_alarm / N``, Bonferroni).
+    (each of the ``N`` tensors gets ``false_alarm / N``, Bonferroni). When the noise samples
+    restarted every step from the re-synchronised state (:func:`samples_restart`), the tensors
+    recorded before each step's optimizer update get thresholds without the few-source cap on
+    their degrees of freedom (:func:`few_sources`, :mod:`tracer.thresholds`).
     ``block_scale``: also test the block-scale statistic (:mod:`tracer.blockscale`; where it
     applies, each statistic at half a tensor's false-alarm probability); ``False``: the norm
     statistic alone (less sensitive to a wrongly scaled shard).
@@ -497,19 +524,21 @@ def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str
                 plan.append((s, k, ents[0], cand_idx[k], [ni.get(k, {}).get(0) for ni in noise_idx]))
     plan.sort(key=lambda p: (p[0], p[2]["index"]))
     per_tensor = false_alarm / max(len(plan), 1)  # Bonferroni: family-wise over the comparison
+    restarted = samples_restart(noisy_readers)
     bar = _progress(len(plan), progress)
     rows = []
     changed: dict[tuple[int, str, int, int], ChoiceChange] = {}  # top-k choices that differ, per module call
     for s, k, ref_e, cand_entries, noise_es in plan:
         ref_t = ref.load(s, 0, ref_e["key"])
         noisy = _noise_samples(noisy_readers, noise_es, s, ref_e)
+        cap = few_sources(k[0], restarted)
         if cand.manifest(s, next(iter(cand_entries)))["mode"] == "stats":
-            rows.append(_check_stats(s, k, ref_e, ref_t, cand_entries, noisy, per_tensor))
+            rows.append(_check_stats(s, k, ref_e, ref_t, cand_entries, noisy, per_tensor, few_sources=cap))
         else:
             cand_t, notes = _full(cand, s, cand_entries, k[1])
             rows.append(_downstream_of_choices(
                 _check_routed(s, k, ref_e, ref_t, cand_t, notes, noisy, per_tensor, cand_entries, changed,
-                              block_scale),
+                              block_scale, few_sources=cap),
                 ref_e["meta"], changed))
         if bar is not None:
             bar.update(1)

@@ -242,8 +242,9 @@ class MomentWriter(TraceWriter):
     reset before the first sample of each step (:meth:`MomentAccumulator.reset`)."""
 
     def __init__(self, root: str | Path, reference: str | Path, sample: int, moments: MomentAccumulator,
-                 layout: dict[str, Any], model_signature: str, *, run_id: str = "") -> None:
-        super().__init__(root, 0, 1, layout, model_signature, run_id=run_id, mode="full")
+                 layout: dict[str, Any], model_signature: str, *, run_id: str = "",
+                 run_meta: dict[str, Any] | None = None) -> None:
+        super().__init__(root, 0, 1, layout, model_signature, run_id=run_id, mode="full", run_meta=run_meta)
         self.reference = Path(reference)
         self.sample = int(sample)
         self.acc = moments

@@ -131,10 +131,13 @@ class NoiseSampler:
         #: the first one computes the amplitudes the later ones reuse
         self.sample_seconds: list[list[float]] = []
         self.moments = MomentAccumulator() if store == "moments" else None
-        self.writers = [TraceWriter(Path(root) / "noise" / f"sample_{i}", 0, 1, layout, signature, run_id=f"noise{i}")
+        #: read by the checker (tracer.check): a re-synchronised comparison's samples
+        run_meta = {"restarts_each_step": True} if self.restart else None
+        self.writers = [TraceWriter(Path(root) / "noise" / f"sample_{i}", 0, 1, layout, signature, run_id=f"noise{i}",
+                                    run_meta=run_meta)
                         if self.moments is None else
                         MomentWriter(Path(root) / "noise" / f"sample_{i}", root, i, self.moments, layout, signature,
-                                     run_id=f"noise{i}") for i in range(samples)]
+                                     run_id=f"noise{i}", run_meta=run_meta) for i in range(samples)]
         self.states: list[StateSnapshot] = []
 
     def step(self, step: int, traced_step: Callable[[TraceWriter | None], Any]) -> Any:

@@ -58,6 +58,9 @@ OPTIMIZER_STATE_PHASES = ("main_param", "exp_avg", "exp_avg_sq")
 #: compared (see tracer.check): the optimizer's state and a run's own (phase ``state``, e.g. FP8
 #: amax histories)
 CARRIED_PHASES = (*OPTIMIZER_STATE_PHASES, "state")
+#: phases a step records before its optimizer update (everything else: the parameters and
+#: optimizer state after it)
+PRE_UPDATE_PHASES = ("input", "fwd", "bwd", "loss", "grad_local", "grad", "main_grad", "grad_norm")
 RUN_FILE = "run.json"
 MAX_OPEN_FILES = 64  # safetensors handles a TraceReader keeps open
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
@@ -276,6 +279,9 @@ class TraceWriter:
     (``tracer.stats.tensor_stats_many``: a few torch calls per distinct size, where one
     tensor at a time cost ~110 us each). Full mode takes every copy's statistics at the flush.
 
+    ``run_meta``: JSON-serialisable facts about the run, written to ``run.json`` as ``meta``
+    (e.g. a noise sample's ``{"restarts_each_step": true}``, :class:`tracer.reference.NoiseSampler`).
+
     ``stage``: a tensor on an accelerator is *staged*, so that ``add`` never waits for the
     device: in full mode its copy goes to pinned host memory with ``non_blocking=True`` and an
     event marks it done; in stats mode a large one is reduced by
@@ -297,7 +303,8 @@ class TraceWriter:
 
     def __init__(self, root: str | Path, rank: int, world_size: int, layout: dict[str, Any],
                  model_signature: str, *, run_id: str = "", mode: str = "full",
-                 background: bool = False, stage: bool | None = None) -> None:
+                 background: bool = False, stage: bool | None = None,
+                 run_meta: dict[str, Any] | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if not 0 <= rank < world_size:
@@ -306,6 +313,7 @@ class TraceWriter:
         self.rank = rank
         self.world_size = world_size
         self.layout = _jsonable(dict(layout), "layout")
+        self.run_meta = _jsonable(dict(run_meta or {}), "run_meta")
         self.model_signature = str(model_signature)
         self.run_id = str(run_id)
         self.mode = mode
@@ -323,7 +331,7 @@ class TraceWriter:
         return {"schema_version": SCHEMA_VERSION, "library_version": _library_version(),
                 "torch_version": torch.__version__, "model_signature": self.model_signature,
                 "run_id": self.run_id, "world_size": self.world_size, "layout": self.layout,
-                "mode": self.mode}
+                "mode": self.mode, "meta": self.run_meta}
 
     def _write_run_file(self) -> None:
         path = self.root / RUN_FILE

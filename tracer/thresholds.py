@@ -80,6 +80,16 @@ sign in the candidate and in each noise sample independently; from the second st
 deviations of both are dominated by these few discrete flips, and the equal-variance model
 is only as good as ``S`` samples' estimate of their spread (measured: largest
 error/threshold of clean runs 0.6-1.0 from step 1 on, vs 0.2-0.8 at step 0).
+
+``few_sources=False`` drops the moment estimate and keeps the participation ratio alone. From
+4 samples the moment estimate is itself noisy (the variance of 4 squared norms), and the
+smaller of the two counts then often cuts ``n_eff`` by chance: at 16 blocks, ``F`` is 2.18 at
+``n_eff = 16`` and 2.93 at 8. The checker drops it only where discrete flips cannot drive the
+deviation: in a comparison whose noise samples restart every step from the re-synchronised
+state (:mod:`tracer.resync`), the tensors computed before the step's optimizer update
+(:data:`tracer.store.PRE_UPDATE_PHASES`) share the candidate's parameters bitwise, and their
+deviation is one step's round-off; the parameters after the update keep the estimate (an
+element whose gradient is within round-off of zero moves by +-lr in Adam's first steps).
 """
 from __future__ import annotations
 
@@ -114,17 +124,17 @@ def _f_quantile(q: float, d1: float, d2: float) -> float:
     return float(fdtri(d1, d2, 1.0 - q))
 
 
-def noise_threshold(ref: torch.Tensor, noisy: list[torch.Tensor], false_alarm: float = DEFAULT_FALSE_ALARM
-                    ) -> NoiseThreshold:
+def noise_threshold(ref: torch.Tensor, noisy: list[torch.Tensor], false_alarm: float = DEFAULT_FALSE_ALARM, *,
+                    few_sources: bool = True) -> NoiseThreshold:
     """Threshold for one tensor from the reference and its noise samples (see module doc)."""
     if not noisy:
         raise ValueError("need at least one noise sample")
     r = ref.detach().double()
-    return deviation_threshold([n.detach().double() - r for n in noisy], false_alarm)
+    return deviation_threshold([n.detach().double() - r for n in noisy], false_alarm, few_sources=few_sources)
 
 
-def deviation_threshold(deviations: list[torch.Tensor], false_alarm: float = DEFAULT_FALSE_ALARM
-                        ) -> NoiseThreshold:
+def deviation_threshold(deviations: list[torch.Tensor], false_alarm: float = DEFAULT_FALSE_ALARM, *,
+                        few_sources: bool = True) -> NoiseThreshold:
     """:func:`noise_threshold` from the samples' deviations ``d_s`` (one pass each; float32 or
     float64, the sums of ``m^2`` in float64)."""
     if not deviations:
@@ -135,13 +145,16 @@ def deviation_threshold(deviations: list[torch.Tensor], false_alarm: float = DEF
         sq = d * d
         z.append(float(sq.sum()))
         m = sq if m is None else m.add_(sq)
-    return moments_threshold(z, float(torch.linalg.vector_norm(m, dtype=torch.float64)) ** 2, false_alarm)
+    return moments_threshold(z, float(torch.linalg.vector_norm(m, dtype=torch.float64)) ** 2, false_alarm,
+                             few_sources=few_sources)
 
 
-def moments_threshold(z: list[float], m_sq: float, false_alarm: float = DEFAULT_FALSE_ALARM) -> NoiseThreshold:
+def moments_threshold(z: list[float], m_sq: float, false_alarm: float = DEFAULT_FALSE_ALARM, *,
+                      few_sources: bool = True) -> NoiseThreshold:
     """The threshold from the two moments it depends on: ``z_s = ||d_s||^2`` per sample and
     ``m_sq = ||m||^2``, ``m = sum_s d_s^2`` elementwise (module doc; a noise sample traced
-    as moments stores them instead of its tensor, :mod:`tracer.deviation`)."""
+    as moments stores them instead of its tensor, :mod:`tracer.deviation`). ``few_sources``:
+    ``n_eff`` is also capped by the moment estimate of the samples' spread (module doc)."""
     if not z:
         raise ValueError("need at least one noise sample")
     samples = len(z)
@@ -152,7 +165,7 @@ def moments_threshold(z: list[float], m_sq: float, false_alarm: float = DEFAULT_
         return NoiseThreshold(0.0, 0.0, 0.0, 0.0, samples)
     n_eff = total ** 2 / (m_sq / samples ** 2)
     zt = torch.tensor(z, dtype=torch.float64)
-    if samples >= 2 and float(zt.var()) > 0:
+    if few_sources and samples >= 2 and float(zt.var()) > 0:
         n_eff = max(1.0, min(n_eff, 2 * float(zt.mean()) ** 2 / float(zt.var())))
     factor = math.sqrt(_f_quantile(false_alarm, n_eff, samples * n_eff))
     rms = math.sqrt(total)
