@@ -343,7 +343,7 @@ def _index(reader, step: int) -> dict[tuple, dict[int, dict[str, Any]]]:
 def load_case(ref_root: Path, cand_root: Path, target: Target, per_tensor: float, num_layers: int,
               eps: float) -> Case:
     """Everything :func:`tracer.check.compare` would read for ``target`` (read-only)."""
-    from tracer.check import few_sources, noise_dirs, samples_restart
+    from tracer.check import few_sources, makes_topk_choice, noise_dirs, samples_restart
     from tracer.store import TraceReader
     ref, cand = TraceReader(ref_root), TraceReader(cand_root)
     key = (target.phase, target.name, target.microbatch, target.call)
@@ -354,8 +354,8 @@ def load_case(ref_root: Path, cand_root: Path, target: Target, per_tensor: float
     layer = layer_index(target.name, num_layers)
     return Case(target, ref_e, ref.load(target.step, 0, ref_e["key"]), noisy,
                 {r: cand.load(target.step, r, e["key"]) for r, e in entries.items()}, entries, min(entries),
-                per_tensor, few_sources(target.phase, samples_restart(readers)), depth_bound(layer, num_layers, eps),
-                layer)
+                per_tensor, few_sources(target.phase, samples_restart(readers), makes_topk_choice(ref, target.step)),
+                depth_bound(layer, num_layers, eps), layer)
 
 
 def measure(case: Case, dtype: str, clean_row) -> Result:

@@ -82,7 +82,8 @@ def test_a_tensor_no_sample_moved_gets_two_ulp():
 
 def test_few_source_cap_is_lifted_only_before_the_update_of_restarted_samples(tmp_path):
     """tracer.check.samples_restart reads the samples' run.json meta; few_sources keeps the cap
-    on every phase of unrestarted samples and on the phases after the optimizer update."""
+    on every phase of unrestarted samples, of a step with a top-k choice, and on the phases
+    after the optimizer update."""
     from tracer.check import few_sources, samples_restart
     from tracer.store import PRE_UPDATE_PHASES, TraceReader, TraceWriter
     for name, meta in (("restarted", {"restarts_each_step": True}), ("plain", None)):
@@ -90,8 +91,9 @@ def test_few_source_cap_is_lifted_only_before_the_update_of_restarted_samples(tm
     restarted, plain = TraceReader(tmp_path / "restarted"), TraceReader(tmp_path / "plain")
     assert samples_restart([restarted, restarted]) and not samples_restart([restarted, plain])
     assert not samples_restart([])
-    assert all(not few_sources(p, True) and few_sources(p, False) for p in PRE_UPDATE_PHASES)
-    assert all(few_sources(p, True) for p in ("param", "main_param", "exp_avg", "state"))
+    assert all(not few_sources(p, True, False) and few_sources(p, False, False) for p in PRE_UPDATE_PHASES)
+    assert all(few_sources(p, True, True) for p in PRE_UPDATE_PHASES)  # a top-k choice in the step
+    assert all(few_sources(p, True, False) for p in ("param", "main_param", "exp_avg", "state"))
 
 
 def test_without_the_few_source_cap_n_eff_is_the_participation_ratio():

@@ -223,6 +223,16 @@ def test_resynchronised_comparison_is_clean(synced, dtype):
     assert c.first is None, (c.first, c.localisation)
 
 
+def _caps(monkeypatch, ref, cand) -> set[tuple[str, bool]]:
+    """(phase, few_sources) of every tensor ``tracer.check.compare`` checks; asserts it is clean."""
+    import tracer.check as check
+    seen, routed = set(), check._check_routed
+    monkeypatch.setattr(check, "_check_routed", lambda *a, few_sources, **k: (
+        seen.add((a[1][0], few_sources)), routed(*a, few_sources=few_sources, **k))[1])
+    assert check.compare(ref, cand).first is None
+    return seen
+
+
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_restarted_samples_lift_the_few_source_cap_before_the_update_only(synced, dtype, monkeypatch):
     """The re-synchronised reference's samples say they restart each step; the comparison then
@@ -233,12 +243,19 @@ def test_restarted_samples_lift_the_few_source_cap_before_the_update_only(synced
     readers = [TraceReader(d) for d in check.noise_dirs(synced / f"ref_{dtype}")]
     assert len(readers) == 2 and check.samples_restart(readers)
     assert not check.samples_restart([TraceReader(synced / f"own_{dtype}")])  # a plain trace: no such meta
-    seen, routed = set(), check._check_routed
-    monkeypatch.setattr(check, "_check_routed", lambda *a, few_sources, **k: (
-        seen.add((a[1][0], few_sources)), routed(*a, few_sources=few_sources, **k))[1])
-    assert check.compare(synced / f"ref_{dtype}", synced / f"cand_{dtype}").first is None
+    seen = _caps(monkeypatch, synced / f"ref_{dtype}", synced / f"cand_{dtype}")
     assert {p for p, _ in seen} >= {"fwd", "bwd", "grad", "param"}
     assert all(cap == (phase == "param") for phase, cap in seen), sorted(seen)
+
+
+def test_a_step_with_topk_choices_keeps_the_cap(synced, monkeypatch):
+    """The MoE's routers make discrete choices inside the step: the cap stays on every tensor."""
+    from tracer.check import makes_topk_choice
+    from tracer.store import TraceReader
+    assert makes_topk_choice(TraceReader(synced / "ref_moe"), 1)
+    assert not makes_topk_choice(TraceReader(synced / "ref_fp8"), 1)
+    seen = _caps(monkeypatch, synced / "ref_moe", synced / "cand_moe")
+    assert {p for p, _ in seen} >= {"fwd", "bwd", "grad"} and all(cap for _, cap in seen)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
