@@ -89,7 +89,9 @@ deviation: in a comparison whose noise samples restart every step from the re-sy
 state (:mod:`tracer.resync`), the tensors computed before the step's optimizer update
 (:data:`tracer.store.PRE_UPDATE_PHASES`) share the candidate's parameters bitwise, and their
 deviation is one step's round-off; the parameters after the update keep the estimate (an
-element whose gradient is within round-off of zero moves by +-lr in Adam's first steps).
+element whose gradient is within round-off of zero moves by +-lr in Adam's first steps), and
+so does every tensor of a step that makes top-k routing choices (a near-tied token routed
+elsewhere by one sample is a flip inside the step; :func:`tracer.check.few_sources`).
 """
 from __future__ import annotations
 
