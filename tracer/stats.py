@@ -70,9 +70,7 @@ def tensor_stats(t: torch.Tensor, quantiles: tuple[float, ...] = QUANTILES,
     many), so they are approximate on large tensors (they describe a tensor for a reader;
     no check uses them). Values are ``None`` when no element is finite.
     """
-    x = t.detach().reshape(-1)
-    if x.is_complex():
-        x = torch.view_as_real(x).reshape(-1)
+    x = _flat_real(t)
     chunks = torch.split(x, chunk) if x.numel() else ()
     sums = _chunk_sums(chunks)
     nan_count = inf_count = 0
@@ -99,18 +97,38 @@ def tensor_stats(t: torch.Tensor, quantiles: tuple[float, ...] = QUANTILES,
             norms.append(n)
             totals.append(total)
             absmax = max(absmax, -lo, hi)
-    finite_count = x.numel() - nan_count - inf_count
-    stats: dict[str, Any] = {"numel": int(x.numel()), "finite_count": int(finite_count),
-                             "nan_count": nan_count, "inf_count": inf_count}
+    return _stats_entry(x.numel(), nan_count, inf_count, _subsample(x, max_samples), quantiles,
+                        math.hypot(*norms), absmax, math.fsum(totals))
+
+
+def _flat_real(t: torch.Tensor) -> torch.Tensor:
+    """``t`` detached as a 1-D view; a complex tensor as its real and imaginary parts."""
+    x = t.detach().reshape(-1)
+    return torch.view_as_real(x).reshape(-1) if x.is_complex() else x
+
+
+def _subsample(x: torch.Tensor, max_samples: int) -> torch.Tensor:
+    """The evenly strided subsample of a 1-D ``x`` the quantiles use: stride ceil(numel / max_samples)
+    (1 for an empty ``x``)."""
+    return x[::max(1, -(-x.numel() // max_samples))]
+
+
+def _stats_entry(numel: int, nan_count: int, inf_count: int, sample: torch.Tensor, quantiles: tuple[float, ...],
+                 norm: float | None, absmax: float | None, total: float | None) -> dict[str, Any]:
+    """A ``stats`` entry (:func:`tensor_stats`) from the counts of non-finite values, the strided
+    subsample (:func:`_subsample`, any device and dtype) and the finite values' ``norm``,
+    ``absmax`` and sum ``total`` (``None`` where not known: :class:`PendingStats`)."""
+    finite_count = numel - nan_count - inf_count
+    stats: dict[str, Any] = {"numel": int(numel), "finite_count": int(finite_count),
+                             "nan_count": int(nan_count), "inf_count": int(inf_count)}
     if finite_count == 0:
         stats.update(norm=None, absmax=None, mean=None, quantiles=None, quantile_samples=0)
         return stats
-    sample = x[::-(-x.numel() // max_samples)].to("cpu", torch.float64)  # stride ceil(numel / max_samples)
-    if finite_count < x.numel():
+    sample = sample.to("cpu", torch.float64)
+    if finite_count < numel:
         sample = sample[torch.isfinite(sample)]
-    norm = math.hypot(*norms)
-    stats.update(norm=norm if math.isfinite(norm) else None,  # float64 overflow of |x|^2
-                 absmax=absmax, mean=math.fsum(totals) / finite_count,
+    stats.update(norm=norm if norm is not None and math.isfinite(norm) else None,  # float64 overflow of |x|^2
+                 absmax=absmax, mean=None if total is None else total / finite_count,
                  quantiles=dict(zip((f"{q:g}" for q in quantiles), _quantiles(sample, quantiles))),
                  quantile_samples=int(sample.numel()))
     return stats
@@ -141,9 +159,7 @@ class PendingStats:
 
     def __init__(self, t: torch.Tensor, quantiles: tuple[float, ...] = QUANTILES,
                  max_samples: int = MAX_STAT_SAMPLES) -> None:
-        x = t.detach().reshape(-1)
-        if x.is_complex():
-            x = torch.view_as_real(x).reshape(-1)
+        x = _flat_real(t)
         if not self.takes(x):
             raise ValueError(f"PendingStats takes a non-empty tensor of {NATIVE_STATS_DTYPES}, got {x.dtype} "
                              f"of {x.numel()} elements: use tensor_stats")
@@ -153,7 +169,7 @@ class PendingStats:
         self._values = torch.stack([torch.linalg.vector_norm(x, dtype=torch.float64), x.sum(dtype=torch.float64),
                                     lo.double(), hi.double(), torch.isnan(x).sum().double(),
                                     torch.isinf(x).sum().double()])
-        self._sample = x[::-(-self.numel // max_samples)].clone()  # tensor_stats's subsample
+        self._sample = _subsample(x, max_samples).clone()
         self._done: torch.Event | None = None  # marks the kernels done, on whatever stream they ran
         if x.device.type != "cpu":
             self._done = torch.Event(x.device)
@@ -165,20 +181,9 @@ class PendingStats:
         if self._done is not None:
             self._done.synchronize()
         norm, total, lo, hi, n_nan, n_inf = self._values.tolist()
-        nan_count, inf_count = int(n_nan), int(n_inf)
-        finite_count = self.numel - nan_count - inf_count
-        sample = self._sample.to("cpu", torch.float64)
-        if finite_count < self.numel:
-            sample = sample[torch.isfinite(sample)]
-        stats: dict[str, Any] = {"numel": self.numel, "finite_count": finite_count, "nan_count": nan_count,
-                                 "inf_count": inf_count, "norm": None, "absmax": None, "mean": None,
-                                 "quantiles": None, "quantile_samples": int(sample.numel())}
-        if sample.numel():
-            stats["quantiles"] = dict(zip((f"{q:g}" for q in self._quantiles), _quantiles(sample, self._quantiles)))
-        if finite_count == self.numel:
-            stats.update(norm=norm if math.isfinite(norm) else None,  # float64 overflow of |x|^2
-                         absmax=max(-lo, hi), mean=total / self.numel)
-        return stats
+        finite = n_nan == n_inf == 0
+        return _stats_entry(self.numel, int(n_nan), int(n_inf), self._sample, self._quantiles,
+                            norm if finite else None, max(-lo, hi) if finite else None, total if finite else None)
 
 
 def _reducible(c: torch.Tensor) -> torch.Tensor:

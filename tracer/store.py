@@ -458,12 +458,15 @@ class TraceWriter:
         for b in entries:
             if b.ready is not None:
                 b.ready.synchronize()
-        todo = [b for b in entries if b.stats_of is not None and b.entry["stats"] is None]
-        copies = [b for b in todo if isinstance(b.stats_of, torch.Tensor)]
+        copies = []  # reduced together at the end
         with torch._C.DisableTorchFunction():
-            for b in todo:
+            for b in entries:
+                if b.stats_of is None or b.entry["stats"] is not None:
+                    continue
                 if isinstance(b.stats_of, PendingStats):
                     b.entry["stats"] = b.stats_of.resolve()
+                else:
+                    copies.append(b)
             for b, stats in zip(copies, tensor_stats_many([b.stats_of for b in copies])):
                 b.entry["stats"] = stats
         sdir = step_dir(self.root, step)
