@@ -1,5 +1,6 @@
 """tracer.store: round trips, atomic writes, and a clear error for every kind of bad input."""
 import errno
+import gc
 import json
 import os
 
@@ -295,6 +296,18 @@ def test_corrupt_manifest_json(tmp_path, damage):
     with pytest.raises(CorruptTraceError, match=r"not valid JSON.*truncated or corrupt.*rank_00001.json, "
                        r"rank 1, step 0"):
         TraceReader(tmp_path).manifest(0, 1)
+    assert gc.isenabled()  # the parse pauses the garbage collector, and a failed parse restores it
+
+
+def test_manifest_parse_leaves_the_garbage_collector_as_it_was(tmp_path):
+    _write_run(tmp_path, steps=(0,))
+    gc.disable()
+    try:
+        assert TraceReader(tmp_path).manifest(0, 0)["entries"]
+        assert not gc.isenabled()  # a caller's own pause outlives the parse
+    finally:
+        gc.enable()
+    assert TraceReader(tmp_path).manifest(0, 0)["entries"] and gc.isenabled()
 
 
 def test_manifest_key_mismatch(tmp_path):

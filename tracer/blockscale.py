@@ -119,8 +119,8 @@ def _block_pass(ref: torch.Tensor, x: torch.Tensor, work: torch.dtype, deviation
 
     ``x`` is the candidate or a noise sample (``deviation=False``: the deviation is ``x -
     ref``), or already the deviation (``deviation=True``). Chunk by chunk of whole rows of the
-    first dimension: products and a chunk's sums in ``work`` (torch's sums over a chunk's
-    rows, ~1e-7 relative in float32), the chunks' sums accumulated in float64."""
+    first dimension (:func:`_row_chunks`): products and a chunk's sums in ``work`` (torch's sums
+    over a chunk's rows, ~1e-7 relative in float32), the chunks' sums accumulated in float64."""
     shape = tuple(ref.shape)
     b0, b1 = block_grid(shape)
     rows = shape[0] if shape else 1
@@ -129,26 +129,41 @@ def _block_pass(ref: torch.Tensor, x: torch.Tensor, work: torch.dtype, deviation
     x2 = x.detach().reshape(rows, -1, last)
     cross = torch.zeros(b0, last, dtype=torch.float64)   # sum of d_i r_i per (row block, column)
     power = torch.zeros(b0, last, dtype=torch.float64)   # sum of r_i^2
-    # row block b holds the rows i with i * b0 // rows == b; chunks never straddle two blocks
-    starts = [-(-blk * rows // b0) for blk in range(b0 + 1)]
-    step = max(1, _CHUNK // max(1, r2.shape[1] * last))
+    row_block = torch.arange(rows) * b0 // rows           # row i lies in row block i * b0 // rows
     chunks = []  # chunk_norms of each chunk, with norms
-    for blk in range(b0):
-        for i in range(starts[blk], starts[blk + 1], step):
-            stop = min(i + step, starts[blk + 1])
-            r = r2[i:stop].to(work)
-            d = x2[i:stop].to(work)
-            d = d if deviation else d - r
+    for i, stop in _row_chunks(rows, r2.shape[1] * last, b0):
+        r = r2[i:stop].to(work)
+        d = x2[i:stop].to(work)
+        d = d if deviation else d - r
+        blk = int(row_block[i])
+        if blk == int(row_block[stop - 1]):  # one row block: the column sums over the whole chunk
             cross[blk] += (d * r).sum((0, 1))
             r_sq = (r * r).sum((0, 1))
             power[blk] += r_sq
-            if norms:
-                chunks.append(chunk_norms(r_sq.sum().sqrt(), d))
+        else:  # a small tensor in one chunk: each row's column sums, added to its block in float64
+            r_sq = (r * r).sum(1)
+            cross.index_add_(0, row_block[i:stop], (d * r).sum(1).double())
+            power.index_add_(0, row_block[i:stop], r_sq.double())
+            r_sq = r_sq.sum(0)
+        if norms:
+            chunks.append(chunk_norms(r_sq.sum().sqrt(), d))
     col_block = torch.arange(last) * b1 // last
     cross = torch.zeros(b0, b1, dtype=torch.float64).index_add_(1, col_block, cross)
     power = torch.zeros(b0, b1, dtype=torch.float64).index_add_(1, col_block, power)
     y = torch.where(power > 0, cross / power.clamp_min(math.ulp(0.0)).sqrt(), torch.zeros_like(cross))
     return y.reshape(-1), (combine_chunk_norms(chunks) if norms else None)
+
+
+def _row_chunks(rows: int, row_size: int, b0: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` row ranges of :func:`_block_pass`'s chunks: the whole tensor when it has at
+    most :data:`_CHUNK` elements (one pass of ~10 calls instead of one per row block: small tensors
+    cost per call, not per element), else chunks of at most ``_CHUNK`` elements (at least one row)
+    that never straddle two of the ``b0`` row blocks."""
+    if rows * row_size <= _CHUNK:
+        return [(0, rows)] if rows else []
+    starts = [-(-blk * rows // b0) for blk in range(b0 + 1)]  # first row of each row block
+    step = max(1, _CHUNK // max(1, row_size))
+    return [(i, min(i + step, starts[blk + 1])) for blk in range(b0) for i in range(starts[blk], starts[blk + 1], step)]
 
 
 def scale_test(sample_coordinates: list[torch.Tensor], coordinates: Callable[[], torch.Tensor],
