@@ -121,12 +121,17 @@ class NoiseInjector(TorchFunctionMode):
         self.module_of = module_of or (lambda: "")
         self.perturbed = 0
 
-    def _noise(self, b: torch.Tensor, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    def _noise(self, b: torch.Tensor, shape: torch.Size, dtype: torch.dtype,
+               work: torch.dtype | None = None) -> torch.Tensor:
         """``U * b``, ``U ~ Uniform[-1, 1]`` elementwise (drawn in float32, ~0.65x the cost of
-        float64 draws on this CPU: ``U`` needs no more than 24 random bits), in the working
-        dtype of a result of ``dtype`` (:func:`_work_dtype`)."""
+        float64 draws on this CPU: ``U`` needs no more than 24 random bits), in ``work``,
+        by default the working dtype of a result of ``dtype`` (:func:`_work_dtype`). The caller
+        passes float32 for a float32 result only where ``U b`` is exact there: ``U`` is a
+        multiple of 2^-23, so ``b`` must be 0, inf, NaN or a power of two no smaller than 2^-126
+        (the rounding amplitudes of ``LocalBounds.rounding(fp32=True)``, doubled or not); then
+        the noise, and the result plus it rounded once, are those of the float64 arithmetic."""
         u = torch.rand(shape, generator=self.gen, dtype=torch.float32).mul_(2).sub_(1)
-        work = _work_dtype(dtype)
+        work = work or _work_dtype(dtype)
         return (u if work == torch.float32 else u.to(work)).mul_(b.to(work) if isinstance(b, torch.Tensor) else b)
 
     def _amplitude(self, what: str, operands: tuple, compute: Callable[[], torch.Tensor],
@@ -358,9 +363,10 @@ class NoiseInjector(TorchFunctionMode):
                                                 lambda: self.local.of(call, out, module), out,
                                                 _gemm_rows(call, out, lambda c: self.local.of(c, None, module))),
                                 out.shape, out.dtype)
-        else:
-            noise = self._noise(self.local.of(call, out, self.module_of()), out.shape, out.dtype)
-        noisy = (out.detach().to(_work_dtype(out.dtype)) + noise).to(out.dtype)
+        else:  # one rounding: a float32 result's exactly in float32 where its amplitudes are float32
+            b = self.local.of(call, out, self.module_of(), fp32=True)
+            noise = self._noise(b, out.shape, out.dtype, b.dtype if b.dtype == out.dtype == torch.float32 else None)
+        noisy = (out.detach().to(noise.dtype) + noise).to(out.dtype)
         self.perturbed += 1
         if out.requires_grad:
             # infinite entries (a -inf attention mask through a cast) stay as they are: inf - inf is NaN
