@@ -85,7 +85,11 @@ class NoiseInjector(TorchFunctionMode):
     Args:
         generator: source of the noise (reproducibility).
         mode, failure_probability, policy, against_exact: as for the analytic shadow; they
-            select the local bound of each op.
+            select the local bound of each op. With ``against_exact`` an elementwise
+            rounding's noise is half an ulp, and the result plus it, stored in the result's
+            format, rounds back to the result: those ops add no spread in this mode (two runs'
+            noise, an ulp, moves about half of the elements by one ulp;
+            ``tests/test_local_rounding.py``).
         backward: also perturb gradients.
         grad_summation: the summation model of the *other* run for the sums over tokens that
             make parameter-like gradients (norm weight/bias, broadcast biases), e.g.
