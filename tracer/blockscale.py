@@ -129,21 +129,21 @@ def _block_pass(ref: torch.Tensor, x: torch.Tensor, work: torch.dtype, deviation
     x2 = x.detach().reshape(rows, -1, last)
     cross = torch.zeros(b0, last, dtype=torch.float64)   # sum of d_i r_i per (row block, column)
     power = torch.zeros(b0, last, dtype=torch.float64)   # sum of r_i^2
-    row_block = torch.arange(rows) * b0 // rows           # row i lies in row block i * b0 // rows
     chunks = []  # chunk_norms of each chunk, with norms
     for i, stop in _row_chunks(rows, r2.shape[1] * last, b0):
         r = r2[i:stop].to(work)
         d = x2[i:stop].to(work)
         d = d if deviation else d - r
-        blk = int(row_block[i])
-        if blk == int(row_block[stop - 1]):  # one row block: the column sums over the whole chunk
+        blk = i * b0 // rows  # row i lies in row block i * b0 // rows
+        if blk == (stop - 1) * b0 // rows:  # one row block: the column sums over the whole chunk
             cross[blk] += (d * r).sum((0, 1))
             r_sq = (r * r).sum((0, 1))
             power[blk] += r_sq
         else:  # a small tensor in one chunk: each row's column sums, added to its block in float64
+            row_block = torch.arange(i, stop) * b0 // rows
             r_sq = (r * r).sum(1)
-            cross.index_add_(0, row_block[i:stop], (d * r).sum(1).double())
-            power.index_add_(0, row_block[i:stop], r_sq.double())
+            cross.index_add_(0, row_block, (d * r).sum(1).double())
+            power.index_add_(0, row_block, r_sq.double())
             r_sq = r_sq.sum(0)
         if norms:
             chunks.append(chunk_norms(r_sq.sum().sqrt(), d))
