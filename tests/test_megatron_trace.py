@@ -2,8 +2,9 @@
 
 Two gloo launches for the whole module: world 1 traces the single-device references (2 seeds
 x fp32/bf16, 3 steps, with noise samples), world 4 traces the candidates: TP2+PP2+SP and
-TP2+DP2+SP with the distributed optimizer, each in fp32 and bf16 for both seeds, and three
-catalogue bugs (bf16, seed 0). Every candidate must be reported clean (0 tensors over
+TP2+DP2+SP with the distributed optimizer, each in fp32 and bf16 for both seeds, and six
+bugs (bf16, seed 0): three of the catalogue, one forward bug written for this module and two
+of the bugs beyond the catalogue (one of which first shows at step 1). Every candidate must be reported clean (0 tensors over
 threshold); every bug must be detected with the first divergence at the tensor and phase
 its registry entry declares. The canonical mapping must round-trip bitwise on every
 candidate tensor (shard -> full -> shard), and bad input must give clear errors.
@@ -36,7 +37,7 @@ LAYOUTS = {"tp2.pp2.sp": {"tp": 2, "pp": 2, "dp": 1, "sp": True, "distopt": Fals
            "tp2.dp2.sp.distopt": {"tp": 2, "pp": 1, "dp": 2, "sp": True, "distopt": True}}
 BUG_LAYOUT = "tp2.pp2.sp"
 TESTED_BUGS = ("sp_norm_grad_not_reduced", "vocab_ce_local_denominator", "grad_norm_undercounts_tp_shards",
-               "row_parallel_partial_scaled")
+               "row_parallel_partial_scaled", "sp_allgather_reversed", "row_parallel_bias_per_rank")
 
 
 @bug("row_parallel_partial_scaled", catalogue="-", bug_class="wrong computation in one rank's shard (forward)",
@@ -155,7 +156,7 @@ def test_bug_detected_at_expected_tensor(traces, name):
     print(f"\n{name}: first divergence {c.first.label}, {c.first.ratio:.3g}x threshold; {c.localisation}")
     assert c.first.phase == bug.expected_phase, c.first
     assert fnmatch.fnmatchcase(c.first.name, bug.expected_name), c.first
-    assert c.first.step == 0
+    assert c.first.step == (bug.expected_step or 0)  # row_parallel_bias_per_rank: biases are 0 until step 1
 
 
 def test_rerun_localises_a_forward_bug(traces):

@@ -1,4 +1,4 @@
-"""Injected bugs for the megatron CPU harness: small named monkeypatches from the catalogue.
+"""Injected bugs for the megatron CPU harness: small named monkeypatches, from the catalogue and beyond it.
 
 A bug is a function ``inject(model, config, optimizer) -> undo`` registered with
 :func:`bug`, with the layout it needs and the first divergence it must produce
@@ -106,6 +106,13 @@ def _lost_grad(model, config, optimizer):
     return _replace(config, "finalize_model_grads_func", finalize)
 
 
+class _Done:
+    """The handle of a collective that a patched, synchronous replacement already completed."""
+
+    def wait(self) -> None:
+        return None
+
+
 def _ddp_buffers(model: Any) -> list:
     """The DDP wrapper's grad buffers (dense and expert-parallel)."""
     bufs = list(getattr(model, "buffers", [])) + list(getattr(model, "expert_parallel_buffers", []))
@@ -173,9 +180,6 @@ def _tp_act_grad(model, config, optimizer):
 def _sp_dgrad(model, config, optimizer):
     import torch.distributed as dist
     from megatron.core.tensor_parallel import layers
-    class _Done:
-        def wait(self) -> None:
-            return None
 
     def chunk_only(output, input, group=None, async_op=False):
         output.copy_(input.chunk(dist.get_world_size(group), dim=0)[dist.get_rank(group)])
@@ -240,4 +244,98 @@ def _vpp_batched_p2p(model, config, optimizer):
 
     def undo():
         config.batch_p2p_comm = saved
+    return undo
+
+
+# --- beyond the catalogue: bugs written after the detector was built, to try it on bugs it was
+# not designed around (docs/detection.md, "Bugs beyond the catalogue") ---------------------------
+
+@bug("row_parallel_bias_per_rank", catalogue="-", bug_class="wrong scale factor", needs={"tp": 2},
+     expected_phase="fwd", expected_name="decoder.layers.0.self_attention.linear_proj.output*", expected_step=1,
+     doc="the row-parallel linears (attention projection, fc2) add their bias to each rank's partial "
+         "output before the all-reduce, so the output carries tp times the bias; each rank's bias grad "
+         "is still right. The biases start at zero, so nothing differs until the first update: the "
+         "first divergence is the first row-parallel output of step 1")
+def _row_bias(model, config, optimizer):
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import layers
+    orig = layers.RowParallelLinear.forward
+    extra = ps.get_tensor_model_parallel_world_size() - 1
+
+    def biased_per_rank(self, input_):
+        out, bias = orig(self, input_)
+        if bias is not None:  # skip_bias_add: the caller adds `bias` once more
+            out = out + extra * bias.detach()
+        return out, bias
+    return _replace(layers.RowParallelLinear, "forward", biased_per_rank)
+
+
+@bug("sp_allgather_reversed", catalogue="-", bug_class="layout/indexing (wrong order)",
+     needs={"tp": 2, "sp": True}, expected_phase="fwd",
+     expected_name="decoder.layers.0.self_attention.linear_qkv.output*",
+     doc="the sequence-parallel all-gather in front of the column-parallel linears concatenates the "
+         "ranks' sequence chunks in reverse rank order (every gathered shape is right)")
+def _sp_gather(model, config, optimizer):
+    import torch
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import layers
+    orig = layers.dist_all_gather_func
+
+    def reversed_gather(output, input, group=None, async_op=False):
+        orig(output, input, group=group, async_op=False)
+        chunks = output.chunk(dist.get_world_size(group), dim=0)
+        output.copy_(torch.cat(chunks[::-1]))
+        return _Done() if async_op else None
+    return _replace(layers, "dist_all_gather_func", reversed_gather)
+
+
+@bug("vocab_embedding_end_off_by_one", catalogue="-", bug_class="layout/indexing (off by one)", needs={"tp": 2},
+     expected_phase="fwd", expected_name="embedding.output",
+     doc="the vocab-parallel embedding treats the last token id of its partition as out of range "
+         "(`vocab_end_index` one short): that token embeds to zeros on every rank")
+def _vocab_end(model, config, optimizer):
+    from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
+    mods = [m for m in model.modules() if isinstance(m, VocabParallelEmbedding)]
+    for m in mods:
+        m.vocab_end_index -= 1
+
+    def undo():
+        for m in mods:
+            m.vocab_end_index += 1
+    return undo
+
+
+@bug("distopt_param_gather_skipped", catalogue="-", bug_class="missing collective",
+     needs={"dp": 2, "distopt": True}, expected_phase="param", expected_name="*",
+     doc="the distributed optimizer's all-gather of the updated parameters is skipped: each DP rank "
+         "updates its own shard of the parameter buffer and keeps the previous step's values elsewhere")
+def _distopt_gather(model, config, optimizer):
+    from megatron.core.distributed import param_and_grad_buffer as pgb
+    group_cls = pgb._ParamAndGradBucketGroup
+    orig = group_cls.start_param_sync
+
+    def skipped(self, force_sync=False):
+        if force_sync:  # the initial broadcast of the weights
+            return orig(self, force_sync=force_sync)
+        self.param_gather_dispatched, self.param_gather_handle = True, None
+    return _replace(group_cls, "start_param_sync", skipped)
+
+
+@bug("norm_eps_differs_on_one_rank", catalogue="-", bug_class="configuration differs across ranks",
+     needs={"tp": 2, "sp": True}, expected_phase="fwd", expected_name="decoder.layers.0.input_layernorm.output",
+     doc="TP rank 1 builds its norms with eps 1e-6 instead of 1e-5 (a default that differs between "
+         "two config paths); under SP that rank normalises its half of the sequence differently")
+def _norm_eps(model, config, optimizer):
+    from megatron.core import parallel_state as ps
+    norms = [m for m in model.modules() if "Norm" in type(m).__name__ and hasattr(m, "eps")]
+    if not norms:
+        raise ValueError("no norm module with an `eps` attribute")
+    saved = [m.eps for m in norms]
+    if ps.get_tensor_model_parallel_rank() == 1:
+        for m in norms:
+            m.eps = 1e-6
+
+    def undo():
+        for m, e in zip(norms, saved):
+            m.eps = e
     return undo

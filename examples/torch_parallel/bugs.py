@@ -1,4 +1,4 @@
-"""Injected bugs for the plain-PyTorch harness: the catalogue's CP, FP8 and MoE bugs.
+"""Injected bugs for the plain-PyTorch harness: the catalogue's CP, FP8 and MoE bugs, and two beyond it.
 
 Each bug is a ``patch(run) -> undo`` (``run``: this rank's
 :class:`~examples.torch_parallel.train.Run`, after the model and optimizer are built),
@@ -210,3 +210,34 @@ UNIT_PATCHES: dict[str, tuple[Any, str, Callable]] = {
 }
 
 
+# --- beyond the catalogue (docs/detection.md, "Bugs beyond the catalogue") ----------------------
+
+@bug("cp_ring_key_positions_not_exchanged", catalogue="-", bug_class="layout/indexing (stale buffer)",
+     needs={"layout": "tp1.cp2.dp1"}, expected_phase="fwd", expected_name="layers.0.core_attn.output",
+     doc="the ring passes each K/V block on but not its global positions, so every block is masked "
+         "with the local positions, as if it were the diagonal block")
+def _ring_positions(run):
+    exchange = ra._exchange
+
+    def positions_kept_local(send: list, nxt: int, prv: int, group: Any, tag0: int) -> tuple[list, list]:
+        bufs, reqs = exchange(send, nxt, prv, group, tag0)
+        if len(send) == 3:  # (k, v, positions): the block's positions stay this rank's own
+            bufs[2] = send[2]
+        return bufs, reqs
+    return replace(ra, "_exchange", positions_kept_local)
+
+
+@bug("moe_routing_gathered_out_of_order", catalogue="-", bug_class="layout/indexing (wrong order)",
+     needs={"layout": "tp1.cp1.dp2+moe"}, expected_phase="fwd", expected_name="layers.0.moe.output*",
+     doc="the dispatcher all-gathers the tokens' expert indices in reverse rank order: each rank's "
+         "tokens are computed by the experts another rank's tokens chose, with their own weights")
+def _moe_idx(run):
+    return replace(moe, "all_gather_seq", indices_gathered_reversed)
+
+
+def indices_gathered_reversed(t: torch.Tensor, group: Any) -> torch.Tensor:
+    """``moe.all_gather_seq`` with integer tensors' rank blocks in reverse order."""
+    out = comm.all_gather_seq(t, group)
+    if t.dtype.is_floating_point:
+        return out
+    return torch.cat(out.chunk(moe.group_size(group), dim=0)[::-1])
