@@ -22,7 +22,7 @@ import torch
 from tracer.canonical import Placement, ShardDim, shard
 from tracer.errors import MissingRankError, TraceError
 from tracer.optim_state import main_param_and_state
-from tracer.resync import STATE_PHASES, candidate_state, load_state
+from tracer.resync import STATE_PHASES, ResyncWarning, candidate_state, load_state
 from tracer.store import TraceWriter
 
 SHAPES = {"w": (4, 6), "b": (6,)}
@@ -115,14 +115,20 @@ def test_a_reference_that_has_not_stepped_is_refused(tmp_path):
                    candidate_state(tmp_path / "cand", 0))
 
 
-def test_a_cast_that_disagrees_with_the_candidates_parameter_is_refused(tmp_path):
+def test_a_cast_that_disagrees_with_the_candidates_parameter_is_named_and_adopted(tmp_path):
+    """A candidate whose model copy is not the cast of its main copy (a skipped parameter
+    all-gather) is still re-synchronised to: the reference takes the candidate's model copy,
+    and a ResyncWarning names the parameter."""
     params, opt = _adam_state(0, torch.bfloat16)
     _write_candidate(tmp_path / "cand", params, opt)
     state = candidate_state(tmp_path / "cand", 0)
     state["b"]["param"][0] += 1.0  # the candidate's model copy is not the cast of its main copy
     ref_params, ref_opt = _adam_state(1, torch.bfloat16)
-    with pytest.raises(ValueError, match="b: the reference's parameter cast"):
-        load_state(ref_opt, list(ref_params.items()), state)
+    with pytest.warns(ResyncWarning, match=r"1 of the candidate's model parameters .*\(b\)"):
+        differ = load_state(ref_opt, list(ref_params.items()), state)
+    assert differ == ["b"]
+    for name, p in ref_params.items():
+        assert torch.equal(p.detach(), state[name]["param"]), name
 
 
 def test_missing_parameters_are_named(tmp_path):

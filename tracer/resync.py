@@ -30,6 +30,7 @@ optimizer does not hold (e.g. FP8 amax histories) is the run's own to record (ph
 """
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -41,7 +42,7 @@ from tracer.errors import MissingRankError, TraceError
 from tracer.optim_state import ADAM_MOMENTS, main_param_and_state
 from tracer.store import OPTIMIZER_STATE_PHASES, TraceReader
 
-__all__ = ["STATE_PHASES", "candidate_state", "load_state"]
+__all__ = ["STATE_PHASES", "ResyncWarning", "candidate_state", "load_state"]
 
 #: what a re-synchronised reference loads, per parameter: the main copy and Adam's moments;
 #: ``param`` (the model's copy) is loaded to check the cast
@@ -69,8 +70,13 @@ def candidate_state(trace: str | Path, step: int) -> dict[str, dict[str, torch.T
     return out
 
 
+class ResyncWarning(UserWarning):
+    """A candidate's state that a re-synchronised reference could load only by adopting the
+    candidate's own model parameters (:func:`load_state`)."""
+
+
 def load_state(optimizer: Any, params: Iterable[tuple[str, torch.Tensor]],
-               state: dict[str, dict[str, torch.Tensor]]) -> None:
+               state: dict[str, dict[str, torch.Tensor]]) -> list[str]:
     """Write ``state`` (from :func:`candidate_state`) into ``optimizer`` (megatron-core's or a
     ``torch.optim`` one, :func:`tracer.optim_state.main_param_and_state`) whose model
     parameters are ``params`` ((canonical name, parameter) pairs, e.g.
@@ -79,9 +85,15 @@ def load_state(optimizer: Any, params: Iterable[tuple[str, torch.Tensor]],
     model's as the optimizer does after a step, and check the cast against the candidate's own
     model parameters (bitwise: the same rounding of the same fp32 values).
 
+    Where the cast disagrees with the candidate's parameter, the reference's model parameter
+    takes the candidate's value: the candidate's next step computes with that value, and a
+    re-synchronised step compares one step from the same state. The mismatch itself is a
+    finding (a parameter all-gather skipped after the optimizer, a different cast) that the
+    ``param`` records of the step show; it is named in a :class:`ResyncWarning`. Returns the
+    names of those parameters.
+
     Raises ``ValueError`` naming the parameter when the two runs' parameters differ in names or
-    shapes, when the optimizer has not stepped yet (no moments to overwrite), or when the cast
-    disagrees with the candidate's parameter."""
+    shapes, or when the optimizer has not stepped yet (no moments to overwrite)."""
     params = list(params)
     missing = sorted({name for name, _ in params} - set(state))
     if missing:
@@ -106,7 +118,18 @@ def load_state(optimizer: Any, params: Iterable[tuple[str, torch.Tensor]],
     for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
         if hasattr(opt, "_copy_main_params_to_model_params"):
             opt._copy_main_params_to_model_params()
+    differ = []
     for name, p in params:
-        if not torch.equal(p.detach(), state[name]["param"].to(p.device)):
-            raise ValueError(f"{name}: the reference's parameter cast from the candidate's main parameter differs "
-                             "from the candidate's own parameter: the two runs cast main parameters differently")
+        own = state[name]["param"].to(p.device)
+        if not torch.equal(p.detach(), own):
+            differ.append(name)
+            with torch.no_grad():
+                p.copy_(own)
+    if differ:
+        warnings.warn(f"re-synchronising: {len(differ)} of the candidate's model parameters are not the cast of its "
+                      f"main parameters ({', '.join(differ[:5])}{', ...' if len(differ) > 5 else ''}): a bug between "
+                      "its optimizer and its model (e.g. a skipped parameter all-gather) or a different cast. The "
+                      "reference takes the candidate's model parameters as they are, so that the next step computes "
+                      "from the same weights; the comparison's 'param' records show where they differ",
+                      ResyncWarning, stacklevel=2)
+    return differ
