@@ -413,13 +413,15 @@ def bug_markdown(rows: list[BugRow], command: str, total_s: float) -> str:
     n, det = len(rows), sum(r.detected for r in rows)
     placed = sum(r.placed for r in rows)
     lines = [(f"Produced by `{command}` ({total_s / 60:.1f} min on this machine); each bug in "
-              f"{BUG_DTYPE}, seed {BUG_SEED}, on the smallest layout that satisfies its `needs`."), "",
+              f"{BUG_DTYPE} (unless its layout names another dtype), seed {BUG_SEED}, on the smallest layout "
+              "that satisfies its `needs`."), "",
              ("| bug | catalogue | class | layout | detected | first divergence expected | found | "
               "error/threshold there | replicas drift |"),
              "|---|---|---|---|---|---|---|---:|---|"]
     for r in rows:
         mark = ("yes" if r.placed else "yes, elsewhere") if r.detected else "**no**"
-        lines.append(f"| `{r.bug}` | {r.catalogue} | {r.bug_class} | {r.layout} | {mark} | {r.expected} | "
+        layout = r.layout if r.dtype == BUG_DTYPE else f"{r.layout} ({r.dtype})"
+        lines.append(f"| `{r.bug}` | {r.catalogue} | {r.bug_class} | {layout} | {mark} | {r.expected} | "
                      f"{r.found or '-'} | {_fmt_ratio(r.ratio)}{' (' + r.status + ')' if r.status else ''} | "
                      f"{'yes' if r.replicas_drift else 'no'} |")
     lines += ["", f"Detected {det}/{n}; first divergence at the declared phase and tensor: {placed}/{n}."]
