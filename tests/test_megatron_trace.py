@@ -143,7 +143,7 @@ def test_clean_layout_is_consistent(traces, layout, seed, dtype):
     print(f"\n{layout} {dtype} seed {seed}: {len(c.rows)} tensors, max error/threshold {c.max_ratio_ok:.3f}")
     assert not c.unmatched, c.unmatched[:5]
     assert len(c.rows) > 300 and {r.phase for r in c.rows} >= {"fwd", "bwd", "loss", "grad_local", "grad",
-                                                               "grad_norm", "param"}
+                                                               "grad_norm", "options", "param"}
     assert c.first is None, (c.first, c.localisation)
     assert c.counts() == {"ok": len(c.rows)}
 

@@ -622,6 +622,9 @@ def localise(rows: list[TensorCheck], first: TensorCheck | None) -> str:
             return if_ok.format(name=name, mod=mod or "(root)", worst=worst(ins))
         if otherwise:
             return otherwise.format(name=name, mod=mod or "(root)")
+    if first.phase == "options":
+        return (f"the optimizer option {first.name.removeprefix('optimizer.')} (min and max over the param "
+                "groups) differs from the reference's: a configuration error, not round-off")
     if first.phase == "bwd":
         return (f"the gradient flowing into {first.name.split('.output_grad')[0]} diverges first: the "
                 "module that consumes this tensor computes a wrong backward (the forward agreed)")

@@ -21,7 +21,8 @@ checker needs from Megatron's own metadata, never from the user:
 * **phases**: ``fwd`` and ``bwd`` (module hooks, per microbatch, numbered globally over DP
   ranks so that DP replicas of a layer are told apart), ``loss``, ``grad_local`` (the
   ``main_grad`` each rank contributes to the reduction, i.e. scaled by megatron's
-  ``1/dp`` factor, before ``finalize_model_grads``), ``grad`` (after it), ``grad_norm`` and
+  ``1/dp`` factor, before ``finalize_model_grads``), ``grad`` (after it), ``grad_norm``,
+  ``options`` (the optimizer's learning rate, eps, weight decay..., given the optimizer) and
   ``param`` (after ``optimizer.step()``); with capture ``optim`` also each param's fp32 main
   copy and Adam moments (``main_param``, ``exp_avg``, ``exp_avg_sq``: :mod:`tracer.resync`).
 
@@ -48,7 +49,7 @@ from torch import nn
 
 from tracer.canonical import Placement, ShardDim, layer_offset, renumber
 from tracer.hooks import Tracer
-from tracer.optim_state import main_param_and_state
+from tracer.optim_state import main_param_and_state, optimizer_options
 from tracer.store import TraceWriter
 
 __all__ = ["ACTIVATION_RULES", "DEFAULT_CAPTURE", "MegatronTracer", "injector_models", "noise_policy",
@@ -75,7 +76,7 @@ ACTIVATION_RULES: dict[str, dict[str, Any]] = {
     "TransformerLayer": {"input.hidden_states": "seq", "output.0": "seq", "*": "rep"},
 }
 #: what :class:`MegatronTracer` records by default (``optim``, the optimizer's state, is opt-in)
-DEFAULT_CAPTURE = ("fwd_in", "fwd_out", "bwd_out", "grad_local", "grad", "param")
+DEFAULT_CAPTURE = ("fwd_in", "fwd_out", "bwd_out", "grad_local", "grad", "options", "param")
 _NORMS = ("LayerNorm", "RMSNorm", "WrappedTorchNorm", "FusedLayerNorm", "TENorm")
 #: No-op modules of the local spec (q/k norms, cross attention of a decoder-only model).
 _SKIPPED_CLASSES = ("IdentityOp", "IdentityFuncOp", "Dropout",
@@ -129,14 +130,17 @@ class MegatronTracer:
         include, exclude: ``fnmatch`` patterns on local module names (as
             :class:`~tracer.hooks.Tracer`; with several chunks, prefixed by the chunk's index,
             ``"1.decoder.layers.0"``); no-op modules (identity ops, dropout) are excluded.
-        capture: subset of ``fwd_in fwd_out bwd_out bwd_in grad_local grad param optim``;
+        capture: subset of ``fwd_in fwd_out bwd_out bwd_in grad_local grad options param optim``;
+            ``options``: the numeric options of the optimizer's param groups (learning rate, eps,
+            weight decay...; :func:`tracer.optim_state.optimizer_options`, recorded only with
+            ``optimizer``), replicated over every rank and compared exactly;
             ``optim``: after the optimizer step, each param's fp32 main copy and Adam moments
             (phases ``main_param``, ``exp_avg``, ``exp_avg_sq``; needs ``optimizer``), the state a
             reference re-synchronised to this run loads (:mod:`tracer.resync`).
         num_microbatches: microbatches per step on this rank (numbers the microbatches
             of DP rank ``r`` from ``r * num_microbatches``; every chunk sees them in order).
         vpp_chunk: the virtual pipeline chunk a single ``model`` is (None without VPP).
-        optimizer: the run's megatron-core optimizer (needed by capture ``optim`` only).
+        optimizer: the run's megatron-core optimizer (needed by captures ``optim`` and ``options``).
     """
 
     def __init__(self, model: nn.Module | Sequence[nn.Module], config: Any, writer: TraceWriter, *,
@@ -345,11 +349,15 @@ class MegatronTracer:
         return Placement(tuple(dims)).to_dict()
 
     def after_optimizer_step(self, grad_norm: float | torch.Tensor | None) -> None:
-        """Record the grad norm (phase ``grad_norm``) and the updated parameters (``param``)."""
+        """Record the grad norm (phase ``grad_norm``), the optimizer's options (``options``, with
+        an ``optimizer``) and the updated parameters (``param``)."""
         self.tracer.set_microbatch(0)
         if grad_norm is not None:
             gn = grad_norm if isinstance(grad_norm, torch.Tensor) else torch.tensor(float(grad_norm), dtype=torch.float64)
             self.tracer.record("grad_norm", gn.reshape(()), "grad_norm", placement=self._all_replicas())
+        if "options" in self.capture and self.optimizer is not None:
+            for name, t in optimizer_options(self.optimizer).items():
+                self.tracer.record(f"optimizer.{name}", t, "options", placement=self._all_replicas())
         if "param" in self.capture:
             for local, p in self.params.items():
                 name, _ = self._param_name(local)

@@ -1,8 +1,9 @@
-"""Where an optimizer keeps a parameter's fp32 main copy and Adam moments.
+"""Where an optimizer keeps a parameter's fp32 main copy and Adam moments, and its options.
 
 What capture ``optim`` records after each step (:class:`tracer.megatron.MegatronTracer`,
 :class:`tracer.pytorch.DDPTracer`) and what :func:`tracer.resync.load_state` writes back into a
-reference re-synchronised to its candidate.
+reference re-synchronised to its candidate; :func:`optimizer_options`, what capture ``options``
+records (the learning rate, eps, weight decay... every rank must apply the reference's).
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from tracer.store import OPTIMIZER_STATE_PHASES
 
-__all__ = ["ADAM_MOMENTS", "main_param_and_state"]
+__all__ = ["ADAM_MOMENTS", "main_param_and_state", "optimizer_options"]
 
 #: Adam's per-parameter state tensors (torch's names) traced by capture ``optim``
 ADAM_MOMENTS = OPTIMIZER_STATE_PHASES[1:]
@@ -50,3 +51,29 @@ def main_param_and_state(optimizer: Any, p: torch.Tensor
     if distributed:
         return None
     raise ValueError(f"parameter of shape {tuple(p.shape)} is in none of the optimizer's param groups")
+
+
+def optimizer_options(optimizer: Any) -> dict[str, torch.Tensor]:
+    """The numeric options of the optimizer's param groups on this rank: option name ->
+    float64 ``[min, max]`` over the groups (``betas`` as ``betas.0`` and ``betas.1``).
+
+    Every rank of a correct run applies the same options as its single-device reference (the
+    learning rate, Adam's ``eps`` and betas, the weight decay, megatron's ``lr_mult`` /
+    ``wd_mult``), so these few numbers are compared exactly (no noise sample moves them): a
+    configuration that differs on one rank or from the reference shows here even where its
+    effect on the parameters is below their storage precision (an eps of 1e-6 instead of 1e-8
+    moves bf16 parameters by less than their rounding). Booleans and non-numbers are left out.
+
+    Covers megatron-core's optimizers (a ``ChainedOptimizer`` of them; the wrapped
+    ``torch.optim`` optimizer's groups) and a plain ``torch.optim`` optimizer."""
+    values: dict[str, list[float]] = {}
+    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        for group in getattr(opt, "optimizer", opt).param_groups:
+            for key, v in group.items():
+                if key == "params":
+                    continue
+                items = [(f"{key}.{i}", x) for i, x in enumerate(v)] if isinstance(v, (tuple, list)) else [(key, v)]
+                for name, x in items:
+                    if isinstance(x, (int, float)) and not isinstance(x, bool):
+                        values.setdefault(name, []).append(float(x))
+    return {name: torch.tensor([min(v), max(v)], dtype=torch.float64) for name, v in sorted(values.items())}

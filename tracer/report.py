@@ -15,7 +15,7 @@ from tracer.check import Comparison
 __all__ = ["plot", "summary", "write_json"]
 
 _PHASE_COLOURS = {"fwd": "tab:blue", "loss": "tab:purple", "bwd": "tab:orange", "grad_local": "tab:olive",
-                  "grad": "tab:green", "grad_norm": "tab:brown", "param": "tab:red"}
+                  "grad": "tab:green", "grad_norm": "tab:brown", "options": "tab:gray", "param": "tab:red"}
 
 
 def _fmt_ratio(r: float) -> str:

@@ -53,8 +53,8 @@ from tracer.stats import STATS_CHUNK, PendingStats, tensor_stats, tensor_stats_m
 
 SCHEMA_VERSION = 1
 MODES = ("full", "stats")
-KNOWN_PHASES = ("fwd", "bwd", "grad_local", "grad", "main_grad", "grad_norm", "param", "main_param", "exp_avg",
-                "exp_avg_sq", "state", "loss", "input")
+KNOWN_PHASES = ("fwd", "bwd", "grad_local", "grad", "main_grad", "grad_norm", "options", "param", "main_param",
+                "exp_avg", "exp_avg_sq", "state", "loss", "input")
 #: an optimizer's per-parameter state (capture ``optim``)
 OPTIMIZER_STATE_PHASES = ("main_param", "exp_avg", "exp_avg_sq")
 #: what a candidate records for a reference that re-synchronises to it (:mod:`tracer.resync`), never

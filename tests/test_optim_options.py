@@ -1,0 +1,54 @@
+"""The optimizer's options (capture ``options``): what is recorded, and that a difference is
+caught where its effect on the parameters is below their storage precision."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from tracer.check import compare
+from tracer.optim_state import optimizer_options
+from tracer.store import TraceWriter
+
+
+def _adamw(**group1) -> torch.optim.AdamW:
+    a, b = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+    return torch.optim.AdamW([{"params": [a], "weight_decay": 0.0}, {"params": [b], "weight_decay": 0.1, **group1}],
+                             lr=1e-3, eps=1e-8)
+
+
+def test_options_are_the_min_and_max_over_the_groups_of_every_numeric_option():
+    opts = optimizer_options(_adamw(lr=2e-3))
+    assert sorted(opts) == ["betas.0", "betas.1", "eps", "lr", "weight_decay"]  # no bools, no params
+    assert opts["lr"].tolist() == [1e-3, 2e-3]
+    assert opts["weight_decay"].tolist() == [0.0, 0.1]
+    assert opts["betas.1"].tolist() == [0.999, 0.999]
+    assert all(t.dtype == torch.float64 for t in opts.values())
+
+
+def test_a_wrapped_or_chained_optimizer_gives_its_inner_groups_options():
+    inner = _adamw()
+    chained = SimpleNamespace(chained_optimizers=[SimpleNamespace(optimizer=inner)])
+    assert {k: v.tolist() for k, v in optimizer_options(chained).items()} == \
+           {k: v.tolist() for k, v in optimizer_options(inner).items()}
+
+
+def _trace(root, opt: torch.optim.Optimizer, samples: int = 0) -> None:
+    """One step's options, as a reference (with ``samples`` noise samples, which record the same
+    options) or a candidate would trace them."""
+    for i, sub in [(None, root)] + [(i, root / "noise" / f"sample_{i}") for i in range(samples)]:
+        w = TraceWriter(sub, 0, 1, {"tp": 1}, "sig", run_id="ref" if i is None else f"noise{i}")
+        for name, t in optimizer_options(opt).items():
+            w.add(f"optimizer.{name}", t, phase="options", step=0)
+        w.flush_step(0)
+        w.close()
+
+
+def test_an_eps_that_differs_from_the_references_is_the_first_divergence(tmp_path):
+    _trace(tmp_path / "ref", _adamw(), samples=2)
+    _trace(tmp_path / "same", _adamw())
+    _trace(tmp_path / "eps", _adamw(eps=1e-6))
+    assert compare(tmp_path / "ref", tmp_path / "same").first is None
+    c = compare(tmp_path / "ref", tmp_path / "eps")
+    assert c.first is not None and (c.first.phase, c.first.name) == ("options", "optimizer.eps")
+    assert "configuration error" in c.localisation
