@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from tracer.check import compare
@@ -52,3 +53,20 @@ def test_an_eps_that_differs_from_the_references_is_the_first_divergence(tmp_pat
     c = compare(tmp_path / "ref", tmp_path / "eps")
     assert c.first is not None and (c.first.phase, c.first.name) == ("options", "optimizer.eps")
     assert "configuration error" in c.localisation
+
+
+def test_the_plain_pytorch_tracer_records_the_options_and_needs_the_optimizer(tmp_path):
+    from tracer.pytorch import DDPTracer
+    model = torch.nn.Linear(2, 2)
+    w = TraceWriter(tmp_path / "t", 0, 1, {}, "sig")
+    with pytest.raises(ValueError, match=r"capture 'options' .* pass DDPTracer\(\.\.\., optimizer=\.\.\.\)"):
+        DDPTracer(model, w, capture=("options",))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    t = DDPTracer(model, w, capture=("options",), optimizer=opt)
+    with t.step(0):
+        t.after_optimizer_step()
+    t.remove()
+    w.close()
+    from tracer.store import TraceReader
+    names = {e["name"] for e in TraceReader(tmp_path / "t").entries(0, 0) if e["phase"] == "options"}
+    assert names == {f"optimizer.{k}" for k in optimizer_options(opt)}

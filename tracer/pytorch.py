@@ -37,7 +37,7 @@ from torch import nn
 
 from tracer.canonical import Placement, ShardDim
 from tracer.hooks import Tracer
-from tracer.optim_state import main_param_and_state
+from tracer.optim_state import main_param_and_state, optimizer_options
 from tracer.store import TraceWriter
 
 __all__ = ["DDPTracer", "ddp_placement", "dtensor_placement"]
@@ -64,7 +64,10 @@ class DDPTracer:
             group's rank and size when one is initialised, else ``0`` and ``1``.
         include, exclude: ``fnmatch`` patterns on local module names (as ``Tracer``); they
             select the traced parameters too.
-        capture: subset of ``fwd_in fwd_out bwd_out bwd_in grad param optim``; ``optim``: after
+        capture: subset of ``fwd_in fwd_out bwd_out bwd_in grad options param optim``;
+            ``options``: after the optimizer step, the numeric options of its param groups
+            (:func:`tracer.optim_state.optimizer_options`; needs ``optimizer``), replicated over
+            every rank of the default process group and compared exactly; ``optim``: after
             the optimizer step, each param's main copy and Adam moments (phases ``main_param``,
             ``exp_avg``, ``exp_avg_sq``; needs ``optimizer``), for a reference re-synchronised to
             this run (:mod:`tracer.resync`).
@@ -76,7 +79,7 @@ class DDPTracer:
             rank holds it), and the activation-gradient scale (default ``1/dp``).
         module_meta: extra meta for the records of matching modules (as
             :class:`~tracer.hooks.Tracer`; e.g. an MoE router's top-k, :mod:`tracer.decisions`).
-        optimizer: the run's optimizer (capture ``optim`` only).
+        optimizer: the run's optimizer (captures ``optim`` and ``options``).
     """
 
     def __init__(self, model: nn.Module, writer: TraceWriter, *, num_microbatches: int = 1,
@@ -104,8 +107,14 @@ class DDPTracer:
         self.param_placement = param_placement or (lambda local: placement)
         self.loss_placement = loss_placement
         self.optimizer = optimizer
-        if "optim" in self.capture and optimizer is None:
-            raise ValueError("capture 'optim' records the optimizer's state: pass DDPTracer(..., optimizer=...)")
+        for needs_optimizer in ("optim", "options"):
+            if needs_optimizer in self.capture and optimizer is None:
+                raise ValueError(f"capture {needs_optimizer!r} records the optimizer's state or options: pass "
+                                 "DDPTracer(..., optimizer=...)")
+        world, rank = (dist.get_world_size(), dist.get_rank()) if dist_on else (1, 0)
+        #: every rank holds the same optimizer options (capture ``options``)
+        self.options_placement = Placement((ShardDim(None, "world", rank, world, "replicated"),)
+                                           if world > 1 else ()).to_dict()
 
     @contextlib.contextmanager
     def step(self, step: int, writer: TraceWriter | None = None) -> Iterator[DDPTracer]:
@@ -144,8 +153,12 @@ class DDPTracer:
             self._record_params(lambda p: {"grad": p.grad})
 
     def after_optimizer_step(self) -> None:
-        """Record the updated parameters (phase ``param``), and with capture ``optim`` each
-        param's main copy and Adam moments; call after ``optimizer.step()``."""
+        """Record the optimizer's options (capture ``options``), the updated parameters (phase
+        ``param``), and with capture ``optim`` each param's main copy and Adam moments; call
+        after ``optimizer.step()``."""
+        if "options" in self.capture:
+            for name, t in optimizer_options(self.optimizer).items():
+                self.tracer.record(f"optimizer.{name}", t, "options", placement=self.options_placement)
         if "param" in self.capture:
             self._record_params(lambda p: {"param": p})
         if "optim" in self.capture:

@@ -262,7 +262,8 @@ def tracer_for(run: Run, writer: TraceWriter, optim: bool = False) -> DDPTracer:
     params = dict(run.model.named_parameters())
     return DDPTracer(run.model, writer, num_microbatches=run.n_local, dp_rank=grp.dp_rank, dp=lay.dp,
                      exclude=("", "layers", "*.moe.router", "*.fp8"),
-                     capture=("fwd_out", "bwd_out", "grad", "param") + (("optim",) if optim else ()), optimizer=run.opt,
+                     capture=("fwd_out", "bwd_out", "grad", "options", "param") + (("optim",) if optim else ()),
+                     optimizer=run.opt,
                      placement_fn=lambda local, name, t: module_placement(lay, grp, local, name, t),
                      param_placement=lambda local: param_placement(lay, grp, local, params[local]),
                      loss_placement=Placement(tuple(loss_dims(lay, grp))).to_dict(),
