@@ -4,8 +4,8 @@ Two gloo launches for the whole module: world 1 traces the single-device referen
 x fp32/bf16, 3 steps, with noise samples), world 4 traces the candidates: TP2+PP2+SP and
 TP2+DP2+SP with the distributed optimizer, each in fp32 and bf16 for both seeds, and six
 bugs (bf16, seed 0): three of the catalogue, one forward bug written for this module and two
-of the bugs beyond the catalogue (one of which first shows at step 1). Every candidate must be reported clean (0 tensors over
-threshold); every bug must be detected with the first divergence at the tensor and phase
+of the bugs beyond the catalogue (one of which first shows at step 1). Every candidate must
+be reported clean (0 tensors over threshold); every bug must be detected with the first divergence at the tensor and phase
 its registry entry declares. The canonical mapping must round-trip bitwise on every
 candidate tensor (shard -> full -> shard), and bad input must give clear errors.
 """

@@ -13,10 +13,21 @@ import torch
 
 from tracer.store import OPTIMIZER_STATE_PHASES
 
-__all__ = ["ADAM_MOMENTS", "main_param_and_state", "optimizer_options"]
+__all__ = ["ADAM_MOMENTS", "chained", "main_param_and_state", "optimizer_options", "param_groups"]
 
 #: Adam's per-parameter state tensors (torch's names) traced by capture ``optim``
 ADAM_MOMENTS = OPTIMIZER_STATE_PHASES[1:]
+
+
+def chained(optimizer: Any) -> list[Any]:
+    """The optimizers of a megatron-core ``ChainedOptimizer``, or ``[optimizer]``."""
+    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+
+
+def param_groups(optimizer: Any) -> list[dict[str, Any]]:
+    """Every param group of ``optimizer``: of each chained optimizer (:func:`chained`), the
+    groups of the ``torch.optim`` optimizer it wraps (``.optimizer``), or its own."""
+    return [g for opt in chained(optimizer) for g in getattr(opt, "optimizer", opt).param_groups]
 
 
 def main_param_and_state(optimizer: Any, p: torch.Tensor
@@ -34,7 +45,7 @@ def main_param_and_state(optimizer: Any, p: torch.Tensor
     (``p.main_param``), ``FP32Optimizer`` (``p`` itself), a ``ChainedOptimizer`` of them, and a
     plain ``torch.optim`` optimizer stepping ``p`` itself."""
     distributed = False
-    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+    for opt in chained(optimizer):
         if hasattr(opt, "_get_main_param_and_optimizer_states"):  # the distributed optimizer
             distributed = True
             if p not in opt.model_param_group_index_map:  # this rank's ranges only
@@ -67,13 +78,12 @@ def optimizer_options(optimizer: Any) -> dict[str, torch.Tensor]:
     Covers megatron-core's optimizers (a ``ChainedOptimizer`` of them; the wrapped
     ``torch.optim`` optimizer's groups) and a plain ``torch.optim`` optimizer."""
     values: dict[str, list[float]] = {}
-    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
-        for group in getattr(opt, "optimizer", opt).param_groups:
-            for key, v in group.items():
-                if key == "params":
-                    continue
-                items = [(f"{key}.{i}", x) for i, x in enumerate(v)] if isinstance(v, (tuple, list)) else [(key, v)]
-                for name, x in items:
-                    if isinstance(x, (int, float)) and not isinstance(x, bool):
-                        values.setdefault(name, []).append(float(x))
+    for group in param_groups(optimizer):
+        for key, v in group.items():
+            if key == "params":
+                continue
+            items = [(f"{key}.{i}", x) for i, x in enumerate(v)] if isinstance(v, (tuple, list)) else [(key, v)]
+            for name, x in items:
+                if isinstance(x, (int, float)) and not isinstance(x, bool):
+                    values.setdefault(name, []).append(float(x))
     return {name: torch.tensor([min(v), max(v)], dtype=torch.float64) for name, v in sorted(values.items())}

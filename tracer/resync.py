@@ -39,7 +39,7 @@ import torch
 
 from tracer.check import assembled_phases
 from tracer.errors import MissingRankError, TraceError
-from tracer.optim_state import ADAM_MOMENTS, main_param_and_state
+from tracer.optim_state import ADAM_MOMENTS, chained, main_param_and_state
 from tracer.store import OPTIMIZER_STATE_PHASES, TraceReader
 
 __all__ = ["STATE_PHASES", "ResyncWarning", "candidate_state", "load_state"]
@@ -115,7 +115,7 @@ def load_state(optimizer: Any, params: Iterable[tuple[str, torch.Tensor]],
             src = src.reshape(-1)[rng[0]:rng[1]] if rng is not None else src
             with torch.no_grad():
                 dst.copy_(src.reshape(dst.shape))
-    for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+    for opt in chained(optimizer):
         if hasattr(opt, "_copy_main_params_to_model_params"):
             opt._copy_main_params_to_model_params()
     differ = []

@@ -23,6 +23,7 @@ from typing import Any
 
 from examples.bug_registry import Bug, Registry
 from examples.bug_registry import replace as _replace
+from tracer.optim_state import chained, param_groups
 
 __all__ = ["BUGS", "Bug", "bug", "inject"]
 
@@ -214,7 +215,7 @@ def _loss_norm(model, config, optimizer):
          "the stages disagree on the norm (a replicated scalar) and clip with the wrong coefficient")
 def _norm_group(model, config, optimizer):
     from megatron.core import parallel_state as ps
-    opts = list(getattr(optimizer, "chained_optimizers", [optimizer]))
+    opts = chained(optimizer)
     saved = [o.__dict__.get("grad_stats_parallel_group", _MISSING) for o in opts]
     for o in opts:
         o.grad_stats_parallel_group = ps.get_tensor_model_parallel_group()
@@ -344,8 +345,7 @@ def _norm_eps(model, config, optimizer):
 def _on_data_parallel_rank_1(optimizer: Any, option: str, value: Callable[[Any], Any]) -> Callable[[], None]:
     """On DP rank 1, set ``option`` of every param group of the optimizer to ``value(old)``."""
     from megatron.core import parallel_state as ps
-    groups = [g for o in (getattr(optimizer, "chained_optimizers", None) or [optimizer])
-              for g in getattr(o, "optimizer", o).param_groups]
+    groups = param_groups(optimizer)
     saved = [g[option] for g in groups]
     if ps.get_data_parallel_rank() == 1:
         for g in groups:
