@@ -251,9 +251,10 @@ def test_restarted_samples_lift_the_few_source_cap_before_the_update_only(synced
     assert not check.samples_restart([TraceReader(synced / f"own_{dtype}")])  # a plain trace: no such meta
     seen = _caps(monkeypatch, synced / f"ref_{dtype}", synced / f"cand_{dtype}")
     assert {p for p, _ in seen} >= {"fwd", "bwd", "grad", "param"}
-    # after the update: the parameters, and the optimizer's options (exact, the cap is moot there)
+    # after the update: the parameters, the optimizer's options and the main-parameter cast check
+    # (both exact, the cap is moot there)
     assert all(cap == (phase not in PRE_UPDATE_PHASES) for phase, cap in seen), sorted(seen)
-    assert {p for p, cap in seen if cap} == {"options", "param"}
+    assert {p for p, cap in seen if cap} == {"options", "cast", "param"}
 
 
 def test_a_step_with_topk_choices_keeps_the_cap(synced, monkeypatch):

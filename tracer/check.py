@@ -53,7 +53,7 @@ from tracer.deviation import (DEVIATION_FIELD, DeviationOf, Key, SampleMoments, 
                               stored_rounded, work_dtype)
 from tracer.difference import difference_norms
 from tracer.errors import IncomparableRunsError, TraceError
-from tracer.store import CARRIED_PHASES, PRE_UPDATE_PHASES, TraceReader
+from tracer.store import CARRIED_PHASES, INVARIANT_PHASES, PRE_UPDATE_PHASES, TraceReader
 from tracer.thresholds import (DEFAULT_FALSE_ALARM, deviation_threshold, moments_threshold, noise_threshold,
                                unmodelled_threshold)
 
@@ -197,7 +197,15 @@ def _full(reader: TraceReader, step: int, entries: dict[int, dict[str, Any]], na
                          tensor=name) from exc
     notes = [f"replicas over {d.group} differ: ranks {list(d.reference)} vs {list(d.other)}, "
              f"max |diff| {d.max_abs_diff:.3g}" for d in report.replicas if not d.equal]
+    notes += [f"rank {r}: " + _listed(e["meta"]["differing"])  # a `cast` record's findings
+              for r, e in sorted(entries.items()) if e["meta"].get("differing")]
     return full, notes
+
+
+def _listed(differing: list[list], shown: int = 3) -> str:
+    """``[[param, differing, checked], ...]`` (a ``cast`` record's meta) as a short phrase."""
+    out = ", ".join(f"{p} ({n} of {m} elements)" for p, n, m in differing[:shown])
+    return out + (f" and {len(differing) - shown} more" if len(differing) > shown else "")
 
 
 def _worst_ranks(full_shape: tuple[int, ...], flat_index: int, entries: dict[int, dict[str, Any]]) -> list[int]:
@@ -249,6 +257,9 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
                            max_abs=math.inf, ref_norm=float(ref_t.double().norm()),
                            note=f"shape {list(cand_t.shape)} in the candidate vs {list(ref_t.shape)} in the "
                                 "reference (a wrong placement or a wrong computation)")
+    if phase in INVARIANT_PHASES:
+        return _check_invariant(base, float(torch.linalg.vector_norm((cand_t.double() - ref_t.double()).reshape(-1))),
+                                float(torch.linalg.vector_norm(ref_t.double().reshape(-1))), notes)
     if work is None and work_dtype(ref_t.dtype, cand_t.dtype) == torch.float32:
         row = _check_one(step, key, ref_e, ref_t, cand_t, notes, noisy, false_alarm, cand_entries, torch.float32,
                          block_scale=block_scale, few_sources=few_sources)
@@ -324,6 +335,14 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
     return TensorCheck(**base, status=status, error=error, threshold=th.threshold, ratio=ratio, max_abs=max_abs,
                        ref_norm=ref_norm, n_eff=th.n_eff, factor=th.factor, worst_ranks=worst, note=note,
                        scale_error=scale_error, scale_threshold=scale_threshold)
+
+
+def _check_invariant(base: dict[str, Any], error: float, ref_norm: float, notes: list[str]) -> TensorCheck:
+    """The verdict on a record of an invariant (:data:`~tracer.store.INVARIANT_PHASES`): over
+    when the candidate differs from the reference at all (threshold 0, no noise samples)."""
+    status = "over" if error != 0 else ("replicas" if any("replicas over" in n for n in notes) else "ok")
+    return TensorCheck(**base, status=status, error=error, threshold=0.0, ratio=0.0 if error == 0 else math.inf,
+                       max_abs=error, ref_norm=ref_norm, note="; ".join(notes))
 
 
 def _check_routed(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, cand_t: torch.Tensor,
@@ -437,6 +456,9 @@ def _check_stats(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor
                            max_abs=math.inf, ref_norm=ref_norm,
                            note=f"NaN/Inf in the candidate ({bad} values over its shards), none in the reference")
     cn = _stats_norm(cand_entries)
+    if phase in INVARIANT_PHASES and cn is not None:
+        return _check_invariant(base, abs(cn - ref_norm), ref_norm,
+                                ["stats-only candidate: error is the lower bound | ||cand|| - ||ref|| |"])
     if cn is None or not noisy or not math.isfinite(ref_norm):
         return TensorCheck(**base, status="unchecked", error=math.nan, threshold=math.nan, ratio=math.nan,
                            max_abs=math.nan, ref_norm=ref_norm,
@@ -609,6 +631,11 @@ def localise(rows: list[TensorCheck], first: TensorCheck | None) -> str:
         top = max(cands, key=lambda r: r.ratio if math.isfinite(r.ratio) else 1e300)
         return f"{top.name} at {top.ratio:.2g}x its threshold"
 
+    if first.phase == "cast":
+        return ("the model parameters are not the round-to-nearest cast of the optimizer's fp32 main copies "
+                f"({first.note or 'the candidate trace names the parameters'}): the copy from main to model "
+                "parameters rounds otherwise or copies the wrong range, or something writes to the model "
+                "parameters after it; not round-off")
     if first.status == "replicas" or "replicas over" in first.note:
         return (f"the copies of {first.name} that the candidate's metadata marks as replicated differ across "
                 f"ranks ({first.note}): a reduction over that group is missing, or a rank skipped or "

@@ -22,8 +22,9 @@ checker needs from Megatron's own metadata, never from the user:
   ranks so that DP replicas of a layer are told apart), ``loss``, ``grad_local`` (the
   ``main_grad`` each rank contributes to the reduction, i.e. scaled by megatron's
   ``1/dp`` factor, before ``finalize_model_grads``), ``grad`` (after it), ``grad_norm``,
-  ``options`` (the optimizer's learning rate, eps, weight decay..., given the optimizer) and
-  ``param`` (after ``optimizer.step()``); with capture ``optim`` also each param's fp32 main
+  ``options`` (the optimizer's learning rate, eps, weight decay..., given the optimizer),
+  ``cast`` (how many model-parameter elements are not the cast of their fp32 main copy: 0 in a
+  correct run, given the optimizer) and ``param`` (after ``optimizer.step()``); with capture ``optim`` also each param's fp32 main
   copy and Adam moments (``main_param``, ``exp_avg``, ``exp_avg_sq``: :mod:`tracer.resync`).
 
 Usage (inside the training loop of every rank; see docs/tracing.md)::
@@ -49,7 +50,7 @@ from torch import nn
 
 from tracer.canonical import Placement, ShardDim, layer_offset, renumber
 from tracer.hooks import Tracer
-from tracer.optim_state import main_param_and_state, optimizer_options
+from tracer.optim_state import cast_mismatches, main_param_and_state, optimizer_options
 from tracer.store import TraceWriter
 
 __all__ = ["ACTIVATION_RULES", "DEFAULT_CAPTURE", "MegatronTracer", "injector_models", "noise_policy",
@@ -76,7 +77,7 @@ ACTIVATION_RULES: dict[str, dict[str, Any]] = {
     "TransformerLayer": {"input.hidden_states": "seq", "output.0": "seq", "*": "rep"},
 }
 #: what :class:`MegatronTracer` records by default (``optim``, the optimizer's state, is opt-in)
-DEFAULT_CAPTURE = ("fwd_in", "fwd_out", "bwd_out", "grad_local", "grad", "options", "param")
+DEFAULT_CAPTURE = ("fwd_in", "fwd_out", "bwd_out", "grad_local", "grad", "options", "cast", "param")
 _NORMS = ("LayerNorm", "RMSNorm", "WrappedTorchNorm", "FusedLayerNorm", "TENorm")
 #: No-op modules of the local spec (q/k norms, cross attention of a decoder-only model).
 _SKIPPED_CLASSES = ("IdentityOp", "IdentityFuncOp", "Dropout",
@@ -130,17 +131,23 @@ class MegatronTracer:
         include, exclude: ``fnmatch`` patterns on local module names (as
             :class:`~tracer.hooks.Tracer`; with several chunks, prefixed by the chunk's index,
             ``"1.decoder.layers.0"``); no-op modules (identity ops, dropout) are excluded.
-        capture: subset of ``fwd_in fwd_out bwd_out bwd_in grad_local grad options param optim``;
+        capture: subset of ``fwd_in fwd_out bwd_out bwd_in grad_local grad options cast param optim``;
             ``options``: the numeric options of the optimizer's param groups (learning rate, eps,
             weight decay...; :func:`tracer.optim_state.optimizer_options`, recorded only with
             ``optimizer``), replicated over every rank and compared exactly;
+            ``cast``: after the optimizer step, the number of this rank's model-parameter
+            elements that differ from the round-to-nearest cast of their fp32 main copy
+            (:func:`tracer.optim_state.cast_mismatches`; recorded only with ``optimizer``), one
+            int64 record ``optimizer.main_param_cast`` replicated over every rank, 0 in a correct
+            run and compared exactly (its meta names the parameters that differ);
             ``optim``: after the optimizer step, each param's fp32 main copy and Adam moments
             (phases ``main_param``, ``exp_avg``, ``exp_avg_sq``; needs ``optimizer``), the state a
             reference re-synchronised to this run loads (:mod:`tracer.resync`).
         num_microbatches: microbatches per step on this rank (numbers the microbatches
             of DP rank ``r`` from ``r * num_microbatches``; every chunk sees them in order).
         vpp_chunk: the virtual pipeline chunk a single ``model`` is (None without VPP).
-        optimizer: the run's megatron-core optimizer (needed by captures ``optim`` and ``options``).
+        optimizer: the run's megatron-core optimizer (needed by captures ``optim``, ``options``
+            and ``cast``).
     """
 
     def __init__(self, model: nn.Module | Sequence[nn.Module], config: Any, writer: TraceWriter, *,
@@ -350,7 +357,8 @@ class MegatronTracer:
 
     def after_optimizer_step(self, grad_norm: float | torch.Tensor | None) -> None:
         """Record the grad norm (phase ``grad_norm``), the optimizer's options (``options``, with
-        an ``optimizer``) and the updated parameters (``param``)."""
+        an ``optimizer``), the check that the model parameters are the cast of their main copies
+        (``cast``, with an ``optimizer``) and the updated parameters (``param``)."""
         self.tracer.set_microbatch(0)
         if grad_norm is not None:
             gn = grad_norm if isinstance(grad_norm, torch.Tensor) else torch.tensor(float(grad_norm), dtype=torch.float64)
@@ -358,6 +366,8 @@ class MegatronTracer:
         if "options" in self.capture and self.optimizer is not None:
             for name, t in optimizer_options(self.optimizer).items():
                 self.tracer.record(f"optimizer.{name}", t, "options", placement=self._all_replicas())
+        if "cast" in self.capture and self.optimizer is not None:
+            self._record_cast_check()
         if "param" in self.capture:
             for local, p in self.params.items():
                 name, _ = self._param_name(local)
@@ -365,6 +375,23 @@ class MegatronTracer:
                                    meta={"param": local})
         if "optim" in self.capture:
             self._record_optimizer_state()
+
+    def _record_cast_check(self) -> None:
+        """Record how many of this rank's model-parameter elements differ from the cast of their
+        fp32 main copy (:func:`~tracer.optim_state.cast_mismatches`), summed over its params, as
+        ``optimizer.main_param_cast`` (phase ``cast``): an int64 that is 0 on every rank of a
+        correct run, hence replicated over all of them and compared exactly. Its meta gives the
+        elements checked and the first parameters that differ, with their counts."""
+        differing, checked, where = 0, 0, []
+        for local, p in self.params.items():
+            found = cast_mismatches(self.optimizer, p)
+            if found is None:
+                continue
+            differing, checked = differing + found[0], checked + found[1]
+            if found[0]:
+                where.append([self._param_name(local)[0], found[0], found[1]])
+        self.tracer.record("optimizer.main_param_cast", torch.tensor(differing, dtype=torch.int64), "cast",
+                           placement=self._all_replicas(), meta={"checked": checked, "differing": where[:8]})
 
     def _record_optimizer_state(self) -> None:
         """Record each parameter's fp32 main copy (phase ``main_param``) and Adam moments

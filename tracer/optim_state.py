@@ -3,7 +3,9 @@
 What capture ``optim`` records after each step (:class:`tracer.megatron.MegatronTracer`,
 :class:`tracer.pytorch.DDPTracer`) and what :func:`tracer.resync.load_state` writes back into a
 reference re-synchronised to its candidate; :func:`optimizer_options`, what capture ``options``
-records (the learning rate, eps, weight decay... every rank must apply the reference's).
+records (the learning rate, eps, weight decay... every rank must apply the reference's);
+:func:`cast_mismatches`, what capture ``cast`` counts (the model parameters must be the cast of
+the main parameters).
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 
 from tracer.store import OPTIMIZER_STATE_PHASES
 
-__all__ = ["ADAM_MOMENTS", "chained", "main_param_and_state", "optimizer_options", "param_groups"]
+__all__ = ["ADAM_MOMENTS", "cast_mismatches", "chained", "main_param_and_state", "optimizer_options", "param_groups"]
 
 #: Adam's per-parameter state tensors (torch's names) traced by capture ``optim``
 ADAM_MOMENTS = OPTIMIZER_STATE_PHASES[1:]
@@ -87,3 +89,48 @@ def optimizer_options(optimizer: Any) -> dict[str, torch.Tensor]:
                 if isinstance(x, (int, float)) and not isinstance(x, bool):
                     values.setdefault(name, []).append(float(x))
     return {name: torch.tensor([min(v), max(v)], dtype=torch.float64) for name, v in sorted(values.items())}
+
+
+def cast_mismatches(optimizer: Any, p: torch.Tensor, chunk: int = 1 << 20) -> tuple[int, int] | None:
+    """``(differing, checked)``: how many elements of model parameter ``p`` on this rank are not,
+    bit for bit, the round-to-nearest-even cast of their fp32 main copy in ``optimizer``, out of
+    how many.
+
+    Mixed-precision training keeps an fp32 main copy of each bf16/fp16 parameter and, after
+    every update, copies it into the model parameter with the format's own rounding (torch's
+    ``copy_``/``to``: round to nearest, ties to even). So in a correct run of either layout,
+    reference or candidate, ``p == cast(main)`` holds exactly, element by element, whatever
+    round-off the update had: an invariant, not a tolerance. It fails when the copy rounds
+    otherwise (truncation, stochastic rounding), copies a stale or misaligned range, or when
+    something writes to the model parameters after the copy; a one-ulp difference per element
+    is invisible to the ``param`` comparison, whose threshold admits a rounding flip per element.
+
+    Under the distributed optimizer only this rank's range of ``p`` is checked (the range it
+    updates; the others come from the all-gather, which the ``param`` replica check covers). The
+    comparison is bitwise (a NaN is its cast's NaN). A ``p`` that is its own main copy (an fp32
+    parameter) is equal without a look. Cost: the cast goes ``chunk`` elements at a time into
+    one reused buffer, then ``torch.equal`` (early exit, no boolean tensor); elements are
+    counted only in a chunk that differs. None where ``p`` has no main copy on this rank (no
+    element of it in this rank's shard of a distributed optimizer)."""
+    found = main_param_and_state(optimizer, p)
+    if found is None:
+        return None
+    tensors, rng = found
+    model = p.detach().reshape(-1)
+    if rng is not None:
+        model = model[rng[0]:rng[1]]
+    main = tensors["main_param"].detach().reshape(-1)
+    if main.shape != model.shape:
+        raise ValueError(f"parameter of shape {tuple(p.shape)}: {model.numel()} model elements on this rank against "
+                         f"{main.numel()} in its main copy")
+    if main.dtype == model.dtype and main.data_ptr() == model.data_ptr():
+        return 0, model.numel()
+    bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[model.element_size()]
+    buf = torch.empty(min(chunk, model.numel()), dtype=model.dtype)
+    differing = 0
+    for start in range(0, model.numel(), chunk):
+        m = model[start:start + chunk]
+        cast = buf[:m.numel()].copy_(main[start:start + m.numel()])
+        if not torch.equal(cast.view(bits), m.view(bits)):
+            differing += int(cast.view(bits).ne(m.view(bits)).sum())
+    return differing, model.numel()

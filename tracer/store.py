@@ -53,7 +53,7 @@ from tracer.stats import STATS_CHUNK, PendingStats, tensor_stats, tensor_stats_m
 
 SCHEMA_VERSION = 1
 MODES = ("full", "stats")
-KNOWN_PHASES = ("fwd", "bwd", "grad_local", "grad", "main_grad", "grad_norm", "options", "param", "main_param",
+KNOWN_PHASES = ("fwd", "bwd", "grad_local", "grad", "main_grad", "grad_norm", "options", "cast", "param", "main_param",
                 "exp_avg", "exp_avg_sq", "state", "loss", "input")
 #: an optimizer's per-parameter state (capture ``optim``)
 OPTIMIZER_STATE_PHASES = ("main_param", "exp_avg", "exp_avg_sq")
@@ -61,6 +61,10 @@ OPTIMIZER_STATE_PHASES = ("main_param", "exp_avg", "exp_avg_sq")
 #: compared (see tracer.check): the optimizer's state and a run's own (phase ``state``, e.g. FP8
 #: amax histories)
 CARRIED_PHASES = (*OPTIMIZER_STATE_PHASES, "state")
+#: records of an invariant that every correct run, reference or candidate, satisfies exactly
+#: (capture ``cast``: the model parameters are the cast of their fp32 main copies): compared
+#: bitwise, the noise samples left out (they perturb the very values the invariant relates)
+INVARIANT_PHASES = ("cast",)
 #: phases a step records before its optimizer update (everything else: the parameters and
 #: optimizer state after it)
 PRE_UPDATE_PHASES = ("input", "fwd", "bwd", "loss", "grad_local", "grad", "main_grad", "grad_norm")

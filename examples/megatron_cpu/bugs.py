@@ -357,6 +357,100 @@ def _on_data_parallel_rank_1(optimizer: Any, option: str, value: Callable[[Any],
     return undo
 
 
+@bug("param_copy_truncates", catalogue="-", bug_class="wrong rounding mode", needs={"distopt": True},
+     expected_phase="cast", expected_name="optimizer.main_param_cast",
+     doc="the distributed optimizer copies its updated fp32 main parameters into the bf16 model "
+         "parameters by truncation (round toward zero) instead of round-to-nearest-even: about "
+         "half the elements end one ulp smaller in magnitude than the reference's cast")
+def _param_truncated(model, config, optimizer):
+    import torch
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    orig = DistributedOptimizer._copy_main_params_to_model_params
+
+    def truncating(self):
+        orig(self)
+        for mains, models in zip(self.shard_fp32_from_float16_groups, self.model_float16_groups):
+            for main, p in zip(mains, models):
+                rng = self._get_model_param_range_map(p)["gbuf_world_in_bucket"]
+                gbuf, _, bucket = self.model_param_gbuf_map[p]
+                shard = self.buffers[gbuf].buckets[bucket].param_data.view(-1)[rng.start:rng.end]
+                shard.copy_((main.detach().view(torch.int32) & -65536).view(torch.float32))
+    return _replace(DistributedOptimizer, "_copy_main_params_to_model_params", truncating)
+
+
+@bug("data_parallel_ranks_read_the_same_samples", catalogue="-", bug_class="data sharding",
+     needs={"dp": 2}, expected_phase="fwd", expected_name="embedding.*",
+     doc="the data sampler ignores the DP rank: every DP rank trains on DP rank 0's samples (tokens and "
+         "labels), so half the global batch is never seen and the other half counts twice; the loss "
+         "still falls")
+def _same_samples(model, config, optimizer):
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    orig = GPTModel.forward
+    group = ps.get_data_parallel_group()
+    src = dist.get_global_rank(group, 0)
+
+    def rank0_samples(self, input_ids, position_ids, attention_mask, *args, labels=None, **kwargs):
+        for t in (input_ids, labels):  # every DP rank runs the same schedule: the broadcasts pair up
+            if t is not None:
+                dist.broadcast(t, src, group=group)
+        return orig(self, input_ids, position_ids, attention_mask, *args, labels=labels, **kwargs)
+    return _replace(GPTModel, "forward", rank0_samples)
+
+
+@bug("attention_scale_from_partition_width", catalogue="-", bug_class="partition-local statistic used as global",
+     needs={"tp": 2}, expected_phase="fwd",
+     expected_name="decoder.layers.0.self_attention.core_attention.scale_mask_softmax.input*",
+     doc="core attention derives its head dimension from the rank's partition of the hidden size divided "
+         "by the number of heads of the whole model, so under TP the head dimension is tp times too "
+         "small and the softmax scale 1/sqrt(d) sqrt(tp) times too large (right at TP=1)")
+def _attention_scale(model, config, optimizer):
+    import math
+
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    mods = [m for m in model.modules() if isinstance(m, DotProductAttention)]
+    if not mods:
+        raise ValueError("no DotProductAttention module")
+    saved = [m.softmax_scale for m in mods]
+    for m in mods:
+        m.softmax_scale = 1.0 / math.sqrt(m.hidden_size_per_partition / m.config.num_attention_heads)
+
+    def undo():
+        for m, v in zip(mods, saved):
+            m.softmax_scale = v
+    return undo
+
+
+@bug("adam_step_count_reset_on_one_rank", catalogue="-", bug_class="optimizer state",
+     needs={"dp": 2, "distopt": True}, expected_phase="param", expected_name="*", expected_step=1,
+     doc="DP rank 1's Adam restarts its step count before every update (as after a resume that loads "
+         "the moments but not the step), so from the second update on its shard gets the bias "
+         "correction of a first step")
+def _adam_step_reset(model, config, optimizer):
+    from megatron.core import parallel_state as ps
+    inner = [getattr(o, "optimizer", o) for o in chained(optimizer)]
+    if ps.get_data_parallel_rank() != 1:
+        return lambda: None
+
+    def restarting(opt):
+        orig = opt.step
+
+        def step(*args, **kwargs):
+            for state in opt.state.values():
+                if "step" in state:
+                    state["step"] = state["step"] * 0 if hasattr(state["step"], "mul") else 0
+            return orig(*args, **kwargs)
+        return step
+    for opt in inner:
+        opt.step = restarting(opt)
+
+    def undo():
+        for opt in inner:
+            del opt.step
+    return undo
+
+
 # The three optimizer options below change the fp32 main parameters of one DP rank's shard by
 # ~1e-5 relative at step 0: in bf16 below the model parameters' storage precision. They show
 # first in the optimizer's options (capture "options"); docs/detection.md, "Bugs beyond the
