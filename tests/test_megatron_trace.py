@@ -2,9 +2,10 @@
 
 Two gloo launches for the whole module: world 1 traces the single-device references (2 seeds
 x fp32/bf16, 3 steps, with noise samples), world 4 traces the candidates: TP2+PP2+SP and
-TP2+DP2+SP with the distributed optimizer, each in fp32 and bf16 for both seeds, and six
-bugs (bf16, seed 0): three of the catalogue, one forward bug written for this module and two
-of the bugs beyond the catalogue (one of which first shows at step 1). Every candidate must
+TP2+DP2+SP with the distributed optimizer, each in fp32 and bf16 for both seeds, and seven
+bugs (bf16, seed 0): three of the catalogue, one forward bug written for this module and three
+of the bugs beyond the catalogue (one of which first shows at step 1, one only in the ``cast``
+check: a main-to-model parameter copy that truncates). Every candidate must
 be reported clean (0 tensors over threshold); every bug must be detected with the first divergence at the tensor and phase
 its registry entry declares. The canonical mapping must round-trip bitwise on every
 candidate tensor (shard -> full -> shard), and bad input must give clear errors.
@@ -37,7 +38,8 @@ LAYOUTS = {"tp2.pp2.sp": {"tp": 2, "pp": 2, "dp": 1, "sp": True, "distopt": Fals
            "tp2.dp2.sp.distopt": {"tp": 2, "pp": 1, "dp": 2, "sp": True, "distopt": True}}
 BUG_LAYOUT = "tp2.pp2.sp"
 TESTED_BUGS = ("sp_norm_grad_not_reduced", "vocab_ce_local_denominator", "grad_norm_undercounts_tp_shards",
-               "row_parallel_partial_scaled", "sp_allgather_reversed", "row_parallel_bias_per_rank")
+               "row_parallel_partial_scaled", "sp_allgather_reversed", "row_parallel_bias_per_rank",
+               "param_copy_truncates")
 
 
 @bug("row_parallel_partial_scaled", catalogue="-", bug_class="wrong computation in one rank's shard (forward)",
@@ -103,7 +105,7 @@ def runs(tmp_path_factory) -> tuple[Path, dict[str, list[dict]]]:
     t = time.perf_counter()
     ref_out = run_gloo(_worker, 1, refs, timeout_s=1200)
     t1 = time.perf_counter()
-    cand_out = run_gloo(_worker, 4, cands, timeout_s=1200)  # 18 runs; shares 2 cores with other tests
+    cand_out = run_gloo(_worker, 4, cands, timeout_s=1200)  # 19 runs; shares 2 cores with other tests
     print(f"\ntraced references in {t1 - t:.0f} s, candidates in {time.perf_counter() - t1:.0f} s")
     results = {name: [r[name] for r in out] for out in (ref_out, cand_out) for name in out[0]}
     return root, results

@@ -359,23 +359,36 @@ def _on_data_parallel_rank_1(optimizer: Any, option: str, value: Callable[[Any],
 
 @bug("param_copy_truncates", catalogue="-", bug_class="wrong rounding mode", needs={"distopt": True},
      expected_phase="cast", expected_name="optimizer.main_param_cast",
-     doc="the distributed optimizer copies its updated fp32 main parameters into the bf16 model "
-         "parameters by truncation (round toward zero) instead of round-to-nearest-even: about "
-         "half the elements end one ulp smaller in magnitude than the reference's cast")
+     doc="the optimizer copies its updated fp32 main parameters into the bf16 model parameters by "
+         "truncation (round toward zero) instead of round-to-nearest-even: about half the elements "
+         "end one ulp smaller in magnitude than the reference's cast (patched in the distributed "
+         "optimizer and in megatron's plain mixed-precision optimizer)")
 def _param_truncated(model, config, optimizer):
     import torch
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    orig = DistributedOptimizer._copy_main_params_to_model_params
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
 
-    def truncating(self):
-        orig(self)
+    def truncated(main):  # round toward zero to bf16: clear the low 16 bits of the fp32 pattern
+        return (main.detach().view(torch.int32) & -65536).view(torch.float32)
+
+    def distributed(self):
+        orig_distributed(self)
         for mains, models in zip(self.shard_fp32_from_float16_groups, self.model_float16_groups):
             for main, p in zip(mains, models):
                 rng = self._get_model_param_range_map(p)["gbuf_world_in_bucket"]
                 gbuf, _, bucket = self.model_param_gbuf_map[p]
-                shard = self.buffers[gbuf].buckets[bucket].param_data.view(-1)[rng.start:rng.end]
-                shard.copy_((main.detach().view(torch.int32) & -65536).view(torch.float32))
-    return _replace(DistributedOptimizer, "_copy_main_params_to_model_params", truncating)
+                self.buffers[gbuf].buckets[bucket].param_data.view(-1)[rng.start:rng.end].copy_(truncated(main))
+
+    def plain(self):
+        orig_plain(self)
+        models, mains = self._get_model_and_main_params_data_float16()
+        for p, main in zip(models, mains):
+            p.copy_(truncated(main))
+    orig_distributed = DistributedOptimizer._copy_main_params_to_model_params
+    orig_plain = Float16OptimizerWithFloat16Params._copy_main_params_to_model_params
+    undo = [_replace(DistributedOptimizer, "_copy_main_params_to_model_params", distributed),
+            _replace(Float16OptimizerWithFloat16Params, "_copy_main_params_to_model_params", plain)]
+    return lambda: [u() for u in undo]
 
 
 @bug("data_parallel_ranks_read_the_same_samples", catalogue="-", bug_class="data sharding",
