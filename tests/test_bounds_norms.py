@@ -205,6 +205,21 @@ def test_wrong_models_caught(cases):
     assert _viol(y, exact, tn.tolerance("layer_norm", x, [256], eps=EPS, centering="subtract").abs) > 0
 
 
+def test_statistics_kept_in_bf16_are_caught_at_the_op(cases):
+    """A kernel that rounds its fp32 mean and variance to bf16 before normalising: a traced
+    comparison of whole runs cannot see it (docs/detection.md, "Bugs beyond the catalogue":
+    0.46x its threshold), the op's bound against the exact result can."""
+    c = cases["bf16", "normal"]
+    x, n, w, b = c["x"], c["n"], c["w"], c["b"]
+    xf = x.float()
+    mean = xf.mean(-1, keepdim=True).bfloat16().float()
+    var = (xf - mean).square().mean(-1, keepdim=True).bfloat16().float()
+    y = ((xf - mean) * torch.rsqrt(var + EPS) * w.float() + b.float()).bfloat16()
+    bound = tn.tolerance("layer_norm", x, [n], w, b, EPS).abs
+    assert _viol(F.layer_norm(x, [n], w, b, EPS), c["ln"], bound) == 0
+    assert _viol(y, c["ln"], bound) > 0.01 * y.numel()
+
+
 # ----------------------------------------------------------------------------- rms_norm
 
 

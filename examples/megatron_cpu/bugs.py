@@ -464,6 +464,42 @@ def _adam_step_reset(model, config, optimizer):
     return undo
 
 
+@bug("layernorm_variance_accumulated_in_bf16", catalogue="-", bug_class="precision lost (accumulation in bf16)",
+     needs={"tp": 2, "sp": True}, expected_phase="fwd", expected_name="decoder.layers.0.input_layernorm.output",
+     doc="the layer norms of a bf16 run accumulate each row's mean and variance in bf16, element by "
+         "element (a naive kernel without an fp32 accumulator): the statistics carry the round-off of a "
+         "sum of `hidden` terms at 2^-9 per addition, on every rank")
+def _norm_bf16_accumulation(model, config, optimizer):
+    import torch
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
+    if not norms:
+        raise ValueError("no torch.nn.LayerNorm module")
+
+    def bf16_sum(x):  # sum over the last dim, one bf16 rounding per addition, in order
+        acc = x[..., 0]
+        for k in range(1, x.shape[-1]):
+            acc = acc + x[..., k]
+        return acc.unsqueeze(-1)
+
+    def bf16_accumulating(m):
+        def forward(x):
+            if x.dtype != torch.bfloat16:
+                return torch.nn.LayerNorm.forward(m, x)
+            n = x.shape[-1]
+            mean = bf16_sum(x) / n
+            var = bf16_sum((x - mean).square()) / n
+            return ((x - mean).float() * torch.rsqrt(var.float() + m.eps) * m.weight.float()
+                    + m.bias.float()).bfloat16()
+        return forward
+    for m in norms:
+        m.forward = bf16_accumulating(m)
+
+    def undo():
+        for m in norms:
+            del m.forward
+    return undo
+
+
 # The three optimizer options below change the fp32 main parameters of one DP rank's shard by
 # ~1e-5 relative at step 0: in bf16 below the model parameters' storage precision. They show
 # first in the optimizer's options (capture "options"); docs/detection.md, "Bugs beyond the
