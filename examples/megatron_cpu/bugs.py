@@ -342,6 +342,18 @@ def _norm_eps(model, config, optimizer):
     return undo
 
 
+def _shadow(objects: list, attribute: str, make: Callable[[Any], Any]) -> Callable[[], None]:
+    """Set ``obj.<attribute> = make(obj)`` on each object, an instance attribute that shadows
+    its class's method; returns the undo that deletes them (the class's method shows again)."""
+    for obj in objects:
+        setattr(obj, attribute, make(obj))
+
+    def undo():
+        for obj in objects:
+            delattr(obj, attribute)
+    return undo
+
+
 def _on_data_parallel_rank_1(optimizer: Any, option: str, value: Callable[[Any], Any]) -> Callable[[], None]:
     """On DP rank 1, set ``option`` of every param group of the optimizer to ``value(old)``."""
     from megatron.core import parallel_state as ps
@@ -455,13 +467,7 @@ def _adam_step_reset(model, config, optimizer):
                     state["step"] = state["step"] * 0 if hasattr(state["step"], "mul") else 0
             return orig(*args, **kwargs)
         return step
-    for opt in inner:
-        opt.step = restarting(opt)
-
-    def undo():
-        for opt in inner:
-            del opt.step
-    return undo
+    return _shadow(inner, "step", restarting)
 
 
 @bug("layernorm_variance_accumulated_in_bf16", catalogue="-", bug_class="precision lost (accumulation in bf16)",
@@ -491,13 +497,7 @@ def _norm_bf16_accumulation(model, config, optimizer):
             return ((x - mean).float() * torch.rsqrt(var.float() + m.eps) * m.weight.float()
                     + m.bias.float()).bfloat16()
         return forward
-    for m in norms:
-        m.forward = bf16_accumulating(m)
-
-    def undo():
-        for m in norms:
-            del m.forward
-    return undo
+    return _shadow(norms, "forward", bf16_accumulating)
 
 
 # The three optimizer options below change the fp32 main parameters of one DP rank's shard by
