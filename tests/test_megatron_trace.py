@@ -6,8 +6,8 @@ TP2+DP2+SP with the distributed optimizer, each in fp32 and bf16 for both seeds,
 bugs (bf16, seed 0): three of the catalogue, one forward bug written for this module and three
 of the bugs beyond the catalogue (one of which first shows at step 1, one only in the ``cast``
 check: a main-to-model parameter copy that truncates). Every candidate must
-be reported clean (0 tensors over threshold); every bug must be detected with the first divergence at the tensor and phase
-its registry entry declares. The canonical mapping must round-trip bitwise on every
+be reported clean (0 tensors over threshold); every bug must be detected with the first
+divergence at the tensor and phase its registry entry declares. The canonical mapping must round-trip bitwise on every
 candidate tensor (shard -> full -> shard), and bad input must give clear errors.
 """
 from __future__ import annotations

@@ -24,8 +24,9 @@ checker needs from Megatron's own metadata, never from the user:
   ``1/dp`` factor, before ``finalize_model_grads``), ``grad`` (after it), ``grad_norm``,
   ``options`` (the optimizer's learning rate, eps, weight decay..., given the optimizer),
   ``cast`` (how many model-parameter elements are not the cast of their fp32 main copy: 0 in a
-  correct run, given the optimizer) and ``param`` (after ``optimizer.step()``); with capture ``optim`` also each param's fp32 main
-  copy and Adam moments (``main_param``, ``exp_avg``, ``exp_avg_sq``: :mod:`tracer.resync`).
+  correct run, given the optimizer) and ``param`` (after ``optimizer.step()``); with capture
+  ``optim`` also each param's fp32 main copy and Adam moments (``main_param``, ``exp_avg``,
+  ``exp_avg_sq``: :mod:`tracer.resync`).
 
 Usage (inside the training loop of every rank; see docs/tracing.md)::
 
