@@ -47,6 +47,8 @@ def test_nans_at_the_same_place_are_equal_and_a_parameter_stepping_itself_has_no
     assert cast_mismatches(opt, p) == (0, 3)
     q = torch.nn.Parameter(torch.randn(5))
     assert cast_mismatches(torch.optim.Adam([q]), q) == (0, 5)  # its own main copy
+    frozen = torch.nn.Parameter(torch.randn(3), requires_grad=False)  # in no param group: nothing to check
+    assert cast_mismatches(torch.optim.Adam([q]), frozen) is None
 
 
 def _trace(root, counts: list[int], samples: list[int] = ()) -> None:

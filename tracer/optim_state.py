@@ -110,8 +110,11 @@ def cast_mismatches(optimizer: Any, p: torch.Tensor, chunk: int = 1 << 20) -> tu
     comparison is bitwise (a NaN is its cast's NaN). A ``p`` that is its own main copy (an fp32
     parameter) is equal without a look. Cost: the cast goes ``chunk`` elements at a time into
     one reused buffer, then ``torch.equal`` (early exit, no boolean tensor); elements are
-    counted only in a chunk that differs. None where ``p`` has no main copy on this rank (no
-    element of it in this rank's shard of a distributed optimizer)."""
+    counted only in a chunk that differs. None where ``p`` has no main copy on this rank: a
+    frozen parameter (``requires_grad`` false: in no param group, nothing steps it), or none
+    of its elements in this rank's shard of a distributed optimizer."""
+    if not p.requires_grad:
+        return None
     found = main_param_and_state(optimizer, p)
     if found is None:
         return None
