@@ -7,8 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tracer.canonical import Placement, ShardDim
 from tracer.check import compare
-from tracer.optim_state import optimizer_options
+from tracer.optim_state import optimizer_options, state_step_range
 from tracer.store import TraceWriter
 
 
@@ -70,3 +71,52 @@ def test_the_plain_pytorch_tracer_records_the_options_and_needs_the_optimizer(tm
     from tracer.store import TraceReader
     names = {e["name"] for e in TraceReader(tmp_path / "t").entries(0, 0) if e["phase"] == "options"}
     assert names == {f"optimizer.{k}" for k in optimizer_options(opt)}
+
+
+def _stepped(steps: int, restart_before_last: bool = False) -> torch.optim.AdamW:
+    """An AdamW over two parameters after ``steps`` updates; with ``restart_before_last``, the
+    first parameter's count is set to 0 before the last update (a resume that lost it)."""
+    opt = _adamw()
+    for i in range(steps):
+        for g in opt.param_groups:
+            for p in g["params"]:
+                p.grad = torch.ones_like(p)
+        if restart_before_last and i == steps - 1:
+            opt.state[opt.param_groups[0]["params"][0]]["step"].zero_()
+        opt.step()
+    return opt
+
+
+def test_the_step_counts_are_recorded_as_their_range_once_the_optimizer_has_stepped():
+    assert state_step_range(_adamw()) is None and "state.step" not in optimizer_options(_adamw())
+    assert optimizer_options(_stepped(3))["state.step"].tolist() == [3.0, 3.0]
+    assert state_step_range(_stepped(3, restart_before_last=True)).tolist() == [1.0, 3.0]
+    counts = SimpleNamespace(state={"a": {"step": 2}, "b": {"step": torch.tensor(5.0)}, "c": {}})
+    assert state_step_range(counts).tolist() == [2.0, 5.0]  # numbers and 0-d tensors; a state without a count
+
+
+def _trace_ranks(root, opts: list[torch.optim.Optimizer], samples: int = 0) -> None:
+    """One step's options on ``len(opts)`` ranks (rank r records ``opts[r]``'s), replicated over them."""
+    world = len(opts)
+    subs = [(None, root)] + [(i, root / "noise" / f"sample_{i}") for i in range(samples)]
+    for i, sub in subs:
+        for rank, opt in enumerate(opts):
+            placement = Placement((ShardDim(None, "world", rank, world, "replicated"),) if world > 1 else ())
+            w = TraceWriter(sub, rank, world, {"dp": world}, "sig", run_id="ref" if i is None else f"noise{i}")
+            for name, t in optimizer_options(opt).items():
+                w.add(f"optimizer.{name}", t, phase="options", step=0, placement=placement.to_dict())
+            w.flush_step(0)
+            w.close()
+
+
+def test_a_step_count_restarted_on_one_rank_is_the_first_divergence(tmp_path):
+    _trace_ranks(tmp_path / "ref", [_stepped(2)], samples=2)
+    _trace_ranks(tmp_path / "same", [_stepped(2), _stepped(2)])
+    _trace_ranks(tmp_path / "restarted", [_stepped(2), _stepped(2, restart_before_last=True)])
+    assert compare(tmp_path / "ref", tmp_path / "same").first is None
+    c = compare(tmp_path / "ref", tmp_path / "restarted")
+    assert c.first is not None and (c.first.phase, c.first.name) == ("options", "optimizer.state.step")
+    assert c.first.status == "replicas" and "step counts" in c.localisation and "across ranks" in c.localisation
+    _trace_ranks(tmp_path / "all_restarted", [_stepped(2, restart_before_last=True)])
+    c = compare(tmp_path / "ref", tmp_path / "all_restarted")
+    assert c.first is not None and c.first.status == "over" and "from the reference's" in c.localisation

@@ -53,6 +53,7 @@ from tracer.deviation import (DEVIATION_FIELD, DeviationOf, Key, SampleMoments, 
                               stored_rounded, work_dtype)
 from tracer.difference import difference_norms
 from tracer.errors import IncomparableRunsError, TraceError
+from tracer.optim_state import STEP_COUNT_OPTION
 from tracer.store import CARRIED_PHASES, INVARIANT_PHASES, PRE_UPDATE_PHASES, TraceReader
 from tracer.thresholds import (DEFAULT_FALSE_ALARM, deviation_threshold, moments_threshold, noise_threshold,
                                unmodelled_threshold)
@@ -636,6 +637,12 @@ def localise(rows: list[TensorCheck], first: TensorCheck | None) -> str:
                 f"({first.note or 'the candidate trace names the parameters'}): the copy from main to model "
                 "parameters rounds otherwise or copies the wrong range, or something writes to the model "
                 "parameters after it; not round-off")
+    if first.phase == "options" and first.name == f"optimizer.{STEP_COUNT_OPTION}":
+        where = "across ranks" if first.status == "replicas" else "from the reference's"
+        return (f"the optimizer's per-parameter step counts (min and max over a rank's parameters) differ {where}"
+                f"{f' ({first.note})' if first.note else ''}: a rank restarted its count (a resume that restored "
+                "the moments but not the step) or skipped or repeated an update, so its Adam bias correction "
+                "differs; not round-off")
     if first.status == "replicas" or "replicas over" in first.note:
         return (f"the copies of {first.name} that the candidate's metadata marks as replicated differ across "
                 f"ranks ({first.note}): a reduction over that group is missing, or a rank skipped or "

@@ -3,7 +3,8 @@
 What capture ``optim`` records after each step (:class:`tracer.megatron.MegatronTracer`,
 :class:`tracer.pytorch.DDPTracer`) and what :func:`tracer.resync.load_state` writes back into a
 reference re-synchronised to its candidate; :func:`optimizer_options`, what capture ``options``
-records (the learning rate, eps, weight decay... every rank must apply the reference's);
+records (the learning rate, eps, weight decay... every rank must apply the reference's; and
+the range of the per-parameter step counts, :func:`state_step_range`);
 :func:`cast_mismatches`, what capture ``cast`` counts (the model parameters must be the cast of
 the main parameters).
 """
@@ -15,8 +16,11 @@ import torch
 
 from tracer.store import OPTIMIZER_STATE_PHASES
 
-__all__ = ["ADAM_MOMENTS", "cast_mismatches", "chained", "main_param_and_state", "optimizer_options", "param_groups"]
+__all__ = ["ADAM_MOMENTS", "STEP_COUNT_OPTION", "cast_mismatches", "chained", "main_param_and_state", "optimizer_options", "param_groups",
+           "state_step_range"]
 
+#: the option (:func:`optimizer_options`) that holds the range of the per-parameter step counts
+STEP_COUNT_OPTION = "state.step"
 #: Adam's per-parameter state tensors (torch's names) traced by capture ``optim``
 ADAM_MOMENTS = OPTIMIZER_STATE_PHASES[1:]
 
@@ -77,8 +81,16 @@ def optimizer_options(optimizer: Any) -> dict[str, torch.Tensor]:
     effect on the parameters is below their storage precision (an eps of 1e-6 instead of 1e-8
     moves bf16 parameters by less than their rounding). Booleans and non-numbers are left out.
 
+    Also ``state.step`` (:data:`STEP_COUNT_OPTION`): the ``[min, max]`` of the per-parameter step counts the optimizer keeps
+    (torch's Adam and AdamW: ``state[p]["step"]``, which sets the bias correction ``1 - beta^t``),
+    when it keeps any. Every parameter of a correct run has been updated as often as its
+    reference's, on every rank, so a count restarted on one rank (a resume that restores the
+    moments but not the count) or an update skipped or repeated on one rank shows here exactly;
+    such a bug moves the parameters by a fraction of an update, which Adam's legitimate sign flips
+    on near-zero gradients can hide in the ``param`` comparison (docs/detection.md, close calls).
+
     Covers megatron-core's optimizers (a ``ChainedOptimizer`` of them; the wrapped
-    ``torch.optim`` optimizer's groups) and a plain ``torch.optim`` optimizer."""
+    ``torch.optim`` optimizer's groups and state) and a plain ``torch.optim`` optimizer."""
     values: dict[str, list[float]] = {}
     for group in param_groups(optimizer):
         for key, v in group.items():
@@ -88,7 +100,33 @@ def optimizer_options(optimizer: Any) -> dict[str, torch.Tensor]:
             for name, x in items:
                 if isinstance(x, (int, float)) and not isinstance(x, bool):
                     values.setdefault(name, []).append(float(x))
-    return {name: torch.tensor([min(v), max(v)], dtype=torch.float64) for name, v in sorted(values.items())}
+    options = {name: torch.tensor([min(v), max(v)], dtype=torch.float64) for name, v in sorted(values.items())}
+    steps = state_step_range(optimizer)
+    if steps is not None:
+        options[STEP_COUNT_OPTION] = steps
+    return options
+
+
+def state_step_range(optimizer: Any) -> torch.Tensor | None:
+    """float64 ``[min, max]`` of the ``"step"`` entries of the per-parameter state of
+    ``optimizer`` (every chained and wrapped ``torch.optim`` optimizer, :func:`chained`); None
+    when no parameter has one (before the first update, or an optimizer without step counts).
+
+    torch keeps a count as a 0-d tensor on the parameter's device (or a number in older
+    versions); the counts of one device are stacked and reduced there, so a GPU run pays one
+    transfer per device, not one per parameter."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for opt in chained(optimizer):
+        for state in getattr(opt, "optimizer", opt).state.values():
+            count = state.get("step") if isinstance(state, dict) else None
+            if count is None:
+                continue
+            t = count.detach() if isinstance(count, torch.Tensor) else torch.tensor(float(count))
+            by_device.setdefault(t.device, []).append(t.reshape(()).to(torch.float64))
+    if not by_device:
+        return None
+    ranges = [torch.stack(ts).aminmax() for ts in by_device.values()]
+    return torch.tensor([min(float(r.min) for r in ranges), max(float(r.max) for r in ranges)], dtype=torch.float64)
 
 
 def cast_mismatches(optimizer: Any, p: torch.Tensor, chunk: int = 1 << 20) -> tuple[int, int] | None:

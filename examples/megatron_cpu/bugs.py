@@ -448,10 +448,11 @@ def _attention_scale(model, config, optimizer):
 
 
 @bug("adam_step_count_reset_on_one_rank", catalogue="-", bug_class="optimizer state",
-     needs={"dp": 2, "distopt": True}, expected_phase="param", expected_name="*", expected_step=1,
+     needs={"dp": 2, "distopt": True}, expected_phase="options", expected_name="optimizer.state.step",
+     expected_step=1,
      doc="DP rank 1's Adam restarts its step count before every update (as after a resume that loads "
          "the moments but not the step), so from the second update on its shard gets the bias "
-         "correction of a first step")
+         "correction of a first step; the step counts (capture options) differ across ranks")
 def _adam_step_reset(model, config, optimizer):
     from megatron.core import parallel_state as ps
     inner = [getattr(o, "optimizer", o) for o in chained(optimizer)]
