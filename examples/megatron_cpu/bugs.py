@@ -525,3 +525,144 @@ def _weight_decay(model, config, optimizer):
      doc="DP rank 1's learning rate is 1% larger than the run's (a schedule evaluated at another step)")
 def _lr(model, config, optimizer):
     return _on_data_parallel_rank_1(optimizer, "lr", lambda old: old * 1.01)
+
+
+# --- a third round beyond the catalogue, written blind (docs/detection.md, "Bugs beyond the
+# catalogue"): masking, stale state across steps, a shard the optimizer never updates, labels
+# misaligned on one pipeline stage, and a backward that does not match its forward ---------------
+
+@bug("causal_mask_dropped_on_one_tp_rank", catalogue="-", bug_class="masking",
+     needs={"tp": 2}, expected_phase="fwd",
+     expected_name="decoder.layers.0.self_attention.core_attention.scale_mask_softmax.output*",
+     doc="TP rank 1's attention softmax is handed an empty mask (a mask built for another shape and "
+         "broadcast to nothing masked): its heads attend to future tokens, TP rank 0's do not")
+def _causal_mask(model, config, optimizer):
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+    mods = [m for m in model.modules() if isinstance(m, FusedScaleMaskSoftmax)]
+    if not mods:
+        raise ValueError("no FusedScaleMaskSoftmax module")
+    if ps.get_tensor_model_parallel_rank() != 1:
+        return lambda: None
+
+    def unmasked(m):
+        def forward(input, mask, softmax_offset=None):
+            empty = torch.zeros(input.shape[-2:], dtype=torch.bool)
+            return FusedScaleMaskSoftmax.forward(m, input, empty, softmax_offset)
+        return forward
+    return _shadow(mods, "forward", unmasked)
+
+
+@bug("grad_buffer_not_zeroed_on_one_dp_rank", catalogue="-", bug_class="stale state across steps",
+     needs={"dp": 2}, expected_phase="grad_local", expected_name="*", expected_step=1,
+     doc="DP rank 1 skips zeroing its gradient buffer at the start of a step (a `zero_grad_buffer` that "
+         "returns early), so from step 1 on its accumulated grads start from the previous step's "
+         "reduced ones; step 0 starts from a zero buffer and is right")
+def _grad_not_zeroed(model, config, optimizer):
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel
+    chunks = [model] if isinstance(model, DistributedDataParallel) else list(model)
+    if ps.get_data_parallel_rank() != 1:
+        return lambda: None
+
+    def keeping_grads(ddp):
+        def zero_grad_buffer():
+            buffers = _ddp_buffers(ddp)
+            undo = _shadow(buffers, "reset", lambda b: (lambda: None))
+            try:
+                DistributedDataParallel.zero_grad_buffer(ddp)
+            finally:
+                undo()
+        return zero_grad_buffer
+    return _shadow(chunks, "zero_grad_buffer", keeping_grads)
+
+
+@bug("tp_shard_left_out_of_optimizer", catalogue="-", bug_class="parameter never updated",
+     needs={"tp": 2}, expected_phase="param", expected_name="decoder.layers.*.mlp.linear_fc2.weight",
+     doc="TP rank 1's shard of the fc2 weights never reaches the optimizer (a param list built on that "
+         "rank before the MLP was rebuilt): its grads are computed and reduced, but the update leaves "
+         "the shard, main copy included, at its initial values")
+def _shard_not_updated(model, config, optimizer):
+    import torch
+    from megatron.core import parallel_state as ps
+
+    from tracer.optim_state import main_param_and_state
+    victims = _params(model, "linear_fc2.weight")
+    if ps.get_tensor_model_parallel_rank() != 1:
+        return lambda: None
+
+    def frozen(opt):
+        orig = opt.step
+
+        def step(*args, **kwargs):
+            copies = []
+            for p in victims:
+                found = main_param_and_state(opt, p)
+                main = found[0]["main_param"] if found is not None else None
+                copies.append((p, p.detach().clone(), main, None if main is None else main.detach().clone()))
+            out = orig(*args, **kwargs)
+            with torch.no_grad():
+                for p, saved, main, saved_main in copies:
+                    p.copy_(saved)
+                    if main is not None:
+                        main.copy_(saved_main)
+            return out
+        return step
+    return _shadow([optimizer], "step", frozen)
+
+
+@bug("labels_shifted_on_last_pipeline_stage", catalogue="-", bug_class="data misaligned across pipeline stages",
+     needs={"pp": 2}, expected_phase="loss", expected_name="loss_per_token",
+     doc="the last pipeline stage, which reads the labels itself, shifts them by one token once more "
+         "(labels built from the tokens a second time): every logit is scored against the token after "
+         "its target; the first stage's activations are right")
+def _labels_shifted(model, config, optimizer):
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    mods = [m for m in model.modules() if isinstance(m, GPTModel)]
+    if not ps.is_pipeline_last_stage():
+        return lambda: None
+
+    def shifted(m):
+        def forward(input_ids, position_ids, attention_mask, *args, labels=None, **kwargs):
+            if labels is not None:
+                labels = labels.roll(-1, dims=1)
+            return GPTModel.forward(m, input_ids, position_ids, attention_mask, *args, labels=labels, **kwargs)
+        return forward
+    return _shadow(mods, "forward", shifted)
+
+
+@bug("gelu_backward_uses_tanh_approximation", catalogue="-", bug_class="backward does not match forward",
+     needs={"tp": 2, "dtype": "fp32"}, expected_phase="bwd",
+     expected_name="decoder.layers.1.mlp.linear_fc1.output_grad*",
+     doc="the MLP's activation computes the exact (erf) GELU forward but back-propagates the derivative "
+         "of the tanh approximation (a fused kernel whose two halves disagree): the derivative is off by "
+         "up to 8.7e-4, ~1e-4 on this model's activations, the forward is right. Registered in fp32: in "
+         "bf16 the change is below the output gradient's rounding and no comparison can place it "
+         "(docs/detection.md)")
+def _gelu_backward(model, config, optimizer):
+    import math
+
+    import torch
+    from megatron.core.transformer.mlp import MLP
+    mods = [m for m in model.modules() if isinstance(m, MLP)]
+    if not mods:
+        raise ValueError("no MLP module")
+
+    class GeluTanhBackward(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return torch.nn.functional.gelu(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            xf = x.float()
+            k = math.sqrt(2.0 / math.pi)
+            inner = k * (xf + 0.044715 * xf ** 3)
+            t = torch.tanh(inner)
+            d = 0.5 * (1 + t) + 0.5 * xf * (1 - t * t) * k * (1 + 3 * 0.044715 * xf * xf)
+            return (g.float() * d).to(g.dtype)
+    return _shadow(mods, "activation_func", lambda m: GeluTanhBackward.apply)

@@ -1,4 +1,4 @@
-"""Injected bugs for the plain-PyTorch harness: the catalogue's CP, FP8 and MoE bugs, and two beyond it.
+"""Injected bugs for the plain-PyTorch harness: the catalogue's CP, FP8 and MoE bugs, and three beyond it.
 
 Each bug is a ``patch(run) -> undo`` (``run``: this rank's
 :class:`~examples.torch_parallel.train.Run`, after the model and optimizer are built),
@@ -241,3 +241,13 @@ def indices_gathered_reversed(t: torch.Tensor, group: Any) -> torch.Tensor:
     if t.dtype.is_floating_point:
         return out
     return torch.cat(out.chunk(moe.group_size(group), dim=0)[::-1])
+
+
+@bug("fp8_activation_cast_to_e5m2_on_one_tp_rank", catalogue="-", bug_class="wrong low-precision format",
+     needs={"layout": "tp2.cp1.dp1+fp8"}, expected_phase="fwd", expected_name="layers.0.qkv.output",
+     doc="TP rank 1 quantizes the forward activations to E5M2 instead of E4M3 (the HYBRID recipe's "
+         "backward format used forward too): one mantissa bit fewer, and a scale for E5M2's range")
+def _x_e5m2(run):
+    if run.groups.tp_rank != 1:
+        return lambda: None
+    return replace(fp8, "FORMATS", {**fp8.FORMATS, "x": fp8.E5M2})
