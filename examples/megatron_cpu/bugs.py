@@ -43,6 +43,14 @@ def _params(model: Any, pattern: str) -> list:
     return found
 
 
+def _modules(model: Any, cls: type) -> list:
+    """This rank's modules of type ``cls``; a bug that finds none cannot act, so it says so."""
+    found = [m for m in model.modules() if isinstance(m, cls)]
+    if not found:
+        raise ValueError(f"no {cls.__name__} module on this rank")
+    return found
+
+
 @bug("sp_norm_grad_not_reduced", catalogue="B23/B04", bug_class="missing reduction of a replicated param's grad",
      needs={"tp": 2, "sp": True}, expected_phase="grad_local", expected_name="decoder.layers.0.input_layernorm.weight",
      doc="norm params lose their `sequence_parallel` tag (NeMo looked for another attribute name), so "
@@ -296,7 +304,7 @@ def _sp_gather(model, config, optimizer):
          "(`vocab_end_index` one short): that token embeds to zeros on every rank")
 def _vocab_end(model, config, optimizer):
     from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
-    mods = [m for m in model.modules() if isinstance(m, VocabParallelEmbedding)]
+    mods = _modules(model, VocabParallelEmbedding)
     for m in mods:
         m.vocab_end_index -= 1
 
@@ -434,9 +442,7 @@ def _attention_scale(model, config, optimizer):
     import math
 
     from megatron.core.transformer.dot_product_attention import DotProductAttention
-    mods = [m for m in model.modules() if isinstance(m, DotProductAttention)]
-    if not mods:
-        raise ValueError("no DotProductAttention module")
+    mods = _modules(model, DotProductAttention)
     saved = [m.softmax_scale for m in mods]
     for m in mods:
         m.softmax_scale = 1.0 / math.sqrt(m.hidden_size_per_partition / m.config.num_attention_heads)
@@ -478,9 +484,7 @@ def _adam_step_reset(model, config, optimizer):
          "sum of `hidden` terms at 2^-9 per addition, on every rank")
 def _norm_bf16_accumulation(model, config, optimizer):
     import torch
-    norms = [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
-    if not norms:
-        raise ValueError("no torch.nn.LayerNorm module")
+    norms = _modules(model, torch.nn.LayerNorm)
 
     def bf16_sum(x):  # sum over the last dim, one bf16 rounding per addition, in order
         acc = x[..., 0]
@@ -540,9 +544,7 @@ def _causal_mask(model, config, optimizer):
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
-    mods = [m for m in model.modules() if isinstance(m, FusedScaleMaskSoftmax)]
-    if not mods:
-        raise ValueError("no FusedScaleMaskSoftmax module")
+    mods = _modules(model, FusedScaleMaskSoftmax)
     if ps.get_tensor_model_parallel_rank() != 1:
         return lambda: None
 
@@ -620,7 +622,7 @@ def _shard_not_updated(model, config, optimizer):
 def _labels_shifted(model, config, optimizer):
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_model import GPTModel
-    mods = [m for m in model.modules() if isinstance(m, GPTModel)]
+    mods = _modules(model, GPTModel)
     if not ps.is_pipeline_last_stage():
         return lambda: None
 
@@ -646,9 +648,7 @@ def _gelu_backward(model, config, optimizer):
 
     import torch
     from megatron.core.transformer.mlp import MLP
-    mods = [m for m in model.modules() if isinstance(m, MLP)]
-    if not mods:
-        raise ValueError("no MLP module")
+    mods = _modules(model, MLP)
 
     class GeluTanhBackward(torch.autograd.Function):
         @staticmethod
