@@ -644,8 +644,6 @@ def _labels_shifted(model, config, optimizer):
          "bf16 the change is below the output gradient's rounding and no comparison can place it "
          "(docs/detection.md)")
 def _gelu_backward(model, config, optimizer):
-    import math
-
     import torch
     from megatron.core.transformer.mlp import MLP
     mods = _modules(model, MLP)
@@ -657,12 +655,7 @@ def _gelu_backward(model, config, optimizer):
             return torch.nn.functional.gelu(x)
 
         @staticmethod
-        def backward(ctx, g):
+        def backward(ctx, g):  # torch's own backward kernel of the tanh approximation
             (x,) = ctx.saved_tensors
-            xf = x.float()
-            k = math.sqrt(2.0 / math.pi)
-            inner = k * (xf + 0.044715 * xf ** 3)
-            t = torch.tanh(inner)
-            d = 0.5 * (1 + t) + 0.5 * xf * (1 - t * t) * k * (1 + 3 * 0.044715 * xf * xf)
-            return (g.float() * d).to(g.dtype)
+            return torch.ops.aten.gelu_backward(g, x, approximate="tanh")
     return _shadow(mods, "activation_func", lambda m: GeluTanhBackward.apply)
