@@ -1,4 +1,4 @@
-"""Cost of the ``cast`` check (``tracer.optim_state.cast_mismatches``) against the Adam update
+"""Cost of the ``cast`` check (``tracer.capture.optim_state.cast_mismatches``) against the Adam update
 it follows, on parameters of a given total size.
 
     python -m bench.cast_check                 # 54M parameters (the xl model's), ~30 s
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from tracer.optim_state import cast_mismatches  # noqa: E402
+from tracer.capture.optim_state import cast_mismatches  # noqa: E402
 
 
 def _median_seconds(fn, reps: int = 5, warmup: int = 2) -> float:

@@ -8,7 +8,7 @@ layouts, and every registered bug caught at the tensor and phase it declares.
 * ``clean``: every (layout, dtype) row of the clean matrix, for every seed, is traced (real
   megatron-core under gloo; ``torch:`` layouts on the plain-PyTorch harness,
   :mod:`examples.torch_parallel`) and compared with the single-device reference
-  (:func:`tracer.check.compare`). Per row: tensors compared, tensors not ``ok`` (goal 0),
+  (:func:`tracer.compare.check.compare`). Per row: tensors compared, tensors not ``ok`` (goal 0),
   the largest error/threshold (the safety margin), wall time.
 * ``detect``: every registered bug (:mod:`examples.megatron_cpu.bugs`,
   :mod:`examples.torch_parallel.bugs`; or ``--bug``) runs on the first layout (smallest world)
@@ -17,7 +17,7 @@ layouts, and every registered bug caught at the tensor and phase it declares.
   drifted across ranks are reported.
 * ``all``: both, sharing the launches.
 * ``--resync``: each candidate (clean or buggy) gets a reference of its own, re-synchronised to
-  it at every step (:mod:`tracer.resync`: the candidate also traces its optimizer state, and
+  it at every step (:mod:`tracer.capture.resync`: the candidate also traces its optimizer state, and
   FP8 amax histories, then its reference starts every step from that state), run in one
   world-1 launch per harness after the candidates.
 
@@ -157,7 +157,7 @@ class Job:
     bug: str | None = None
     noise_samples: int = 0
     noise_tp: int = 2
-    resync_from: str | None = None  # a reference re-synchronised to this candidate trace (tracer.resync)
+    resync_from: str | None = None  # a reference re-synchronised to this candidate trace (tracer.capture.resync)
     optim: bool = False             # a candidate that also traces its optimizer state (capture "optim")
 
     @property
@@ -182,7 +182,7 @@ class Job:
         if self.resync_from:
             trace["resync_from"] = self.resync_from
         if self.optim:
-            from tracer.megatron import DEFAULT_CAPTURE
+            from tracer.adapters.megatron import DEFAULT_CAPTURE
             trace["capture"] = DEFAULT_CAPTURE + ("optim",)
         return {"layout": lay, "steps": self.steps, "seed": self.seed, "dtype": self.dtype, "trace": trace,
                 "bug": self.bug, "model": _model(self.layout)}
@@ -297,7 +297,7 @@ def _ref_root(out: Path, seed: int, dtype: str, layout: str = "reference") -> Pa
 
 
 def _compare(ref: Path, cand: Path):
-    from tracer.check import compare
+    from tracer.compare.check import compare
     t = time.perf_counter()
     c = compare(ref, cand)
     return c, time.perf_counter() - t
@@ -401,7 +401,7 @@ def clean_markdown(rows: list[CleanRow], command: str, total_s: float) -> str:
     lines += ["", (f"False positives: {len(fps)} tensor(s) over threshold in "
                    f"{sum(r.tensors for r in rows)} compared; {sum(r.unchecked for r in rows)} unchecked (no "
                    "noise sample traced them, or they consume or follow a top-k choice that legitimately "
-                   "changed: tracer.decisions).")]
+                   "changed: tracer.compare.decisions).")]
     for r, fp in fps[:20]:
         lines.append(f"- {r.layout} {r.dtype} seed {fp['seed']} step {fp['step']} {fp['phase']} {fp['name']} "
                      f"(mb {fp['microbatch']}): {fp['status']}, ratio {_fmt_ratio(fp['ratio'])} {fp['note']}")
@@ -481,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--noise-samples", type=int, default=NOISE_SAMPLES)
     ap.add_argument("--resync", action="store_true",
                     help="every candidate gets a reference of its own, re-synchronised to it at every step "
-                         "(tracer.resync), instead of one shared reference per seed and dtype")
+                         "(tracer.capture.resync), instead of one shared reference per seed and dtype")
     ap.add_argument("--out", default="out/detection", help="trace directory (replaced)")
     ap.add_argument("--keep-traces", action="store_true", help="keep candidate traces after comparing")
     ap.add_argument("--write", default=None, help="markdown page whose tables are replaced")

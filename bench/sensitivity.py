@@ -5,21 +5,21 @@
 1. Traces (once, cached under ``--out/<dtype>``): the demo's megatron-core GPT, a
    single-device reference with noise samples and one clean candidate (TP=2 + SP + PP=2 with
    the distributed optimizer, 4 gloo ranks), made by :func:`examples.megatron_cpu.demo.trace_runs`.
-2. The clean candidate is compared once with :func:`tracer.check.compare`: the number of
+2. The clean candidate is compared once with :func:`tracer.compare.check.compare`: the number of
    compared tensors fixes our per-tensor false-alarm rate (Bonferroni), exactly as in a
    real comparison.
 3. For each target tensor (:data:`TARGETS`: 5 parameter gradients, phase ``grad``, and 5
    activations, phase ``fwd``, across layers, steps and microbatches) the shard that the
    candidate's lowest rank holding it wrote (TP rank 0 of its pipeline stage) is multiplied
    by ``1 + delta`` (in float64, cast back to the stored dtype), the shards are assembled
-   exactly as :func:`tracer.check.compare` does, and each method (:data:`METHODS`) is asked
+   exactly as :func:`tracer.compare.check.compare` does, and each method (:data:`METHODS`) is asked
    whether it flags the tensor. The smallest flagged ``delta`` in ``[1e-8, 1]`` is found by
    bisection on a log scale (:func:`smallest_delta`). A method that flags the uncorrupted
    tensor is a false positive (``FP``).
 
 The methods (see :func:`peer_flags`):
 
-* ``ours``: the tensor's verdict from :func:`tracer.check._check_one` (error
+* ``ours``: the tensor's verdict from :func:`tracer.compare.check._check_one` (error
   ``||cand - ref||_2`` over the noise-sample threshold), with the per-tensor false-alarm
   rate of the whole clean comparison;
 * ``assert_close``: :func:`torch.testing.assert_close` with its defaults for the stored dtype
@@ -212,7 +212,7 @@ def peer_flags(cand: torch.Tensor, ref: torch.Tensor, bound: float) -> dict[str,
 def ensure_traces(root: Path, dtype: str, *, steps: int, seed: int, noise_samples: int, resync: bool = False,
                   log=print) -> Path:
     """The reference and clean candidate traces under ``root/<dtype>`` (``root/<dtype>-resync``
-    with the reference re-synchronised to the candidate at every step: :mod:`tracer.resync`),
+    with the reference re-synchronised to the candidate at every step: :mod:`tracer.capture.resync`),
     traced once, then reused."""
     out = root / (dtype + ("-resync" if resync else ""))
     if (out / "ref" / "run.json").is_file() and (out / "cand_clean" / "run.json").is_file():
@@ -240,14 +240,14 @@ class Case:
     entries: dict[int, dict[str, Any]]
     rank: int                       # the candidate rank whose shard is corrupted
     per_tensor: float               # our per-tensor false-alarm rate
-    few_sources: bool               # tracer.check.few_sources for this tensor, as compare decides it
+    few_sources: bool               # tracer.compare.check.few_sources for this tensor, as compare decides it
     bound: float                    # the depth rule's relative bound
     layer: int
     k0: float = math.nan            # the depth rule's zero-false-positive k for this phase (clean_census)
 
     def full(self, delta: float) -> tuple[torch.Tensor, list[str]]:
         """The candidate's assembled tensor with the chosen shard scaled by ``1 + delta``."""
-        from tracer.canonical import assemble
+        from tracer.trace.canonical import assemble
         shards = dict(self.shards)
         if delta:
             shards[self.rank] = corrupt_shard(shards[self.rank], delta)
@@ -257,8 +257,8 @@ class Case:
         return full, notes
 
     def ours(self, delta: float, block_scale: bool = True):
-        """Our verdict (a :class:`tracer.check.TensorCheck`) on the corrupted candidate."""
-        from tracer.check import _check_one
+        """Our verdict (a :class:`tracer.compare.check.TensorCheck`) on the corrupted candidate."""
+        from tracer.compare.check import _check_one
         full, notes = self.full(delta)
         t = self.target
         return _check_one(t.step, (t.phase, t.name, t.microbatch, t.call), self.ref_e, self.ref_t, full, notes,
@@ -289,7 +289,7 @@ class Case:
     def region(self) -> torch.Tensor | None:
         """Boolean mask of the corrupted shard's elements in the full tensor (None when the
         shard is a pending sum, which covers no region of its own)."""
-        from tracer.canonical import Placement, shard
+        from tracer.trace.canonical import Placement, shard
         pl = Placement.from_dict(self.entries[self.rank]["placement"] or {"dims": []})
         if any(d.kind == "partial" for d in pl.dims):
             return None
@@ -336,15 +336,15 @@ class Result:
 
 
 def _index(reader, step: int) -> dict[tuple, dict[int, dict[str, Any]]]:
-    from tracer.check import _index_by_key
+    from tracer.compare.check import _index_by_key
     return _index_by_key(reader, step)
 
 
 def load_case(ref_root: Path, cand_root: Path, target: Target, per_tensor: float, num_layers: int,
               eps: float) -> Case:
-    """Everything :func:`tracer.check.compare` would read for ``target`` (read-only)."""
-    from tracer.check import few_sources, makes_topk_choice, noise_dirs, samples_restart
-    from tracer.store import TraceReader
+    """Everything :func:`tracer.compare.check.compare` would read for ``target`` (read-only)."""
+    from tracer.compare.check import few_sources, makes_topk_choice, noise_dirs, samples_restart
+    from tracer.trace.store import TraceReader
     ref, cand = TraceReader(ref_root), TraceReader(cand_root)
     key = (target.phase, target.name, target.microbatch, target.call)
     ref_e = _index(ref, target.step)[key][0]
@@ -394,8 +394,8 @@ def run_dtype(root: Path, dtype: str, targets: tuple[Target, ...], log=print
     """Compare the clean candidate once, count the peers' false positives over it
     (:func:`clean_census`), then measure every target; returns the results, the comparison
     and the census."""
-    from tracer.check import compare
-    from tracer.store import TraceReader
+    from tracer.compare.check import compare
+    from tracer.trace.store import TraceReader
     t = time.perf_counter()
     cmp = compare(root / "ref", root / "cand_clean")
     log(f"  {dtype}: clean comparison of {len(cmp.rows)} tensors in {time.perf_counter() - t:.1f} s: "
@@ -423,15 +423,15 @@ def clean_census(root: Path, dtype: str, log=print
                  ) -> tuple[dict[str, dict[str, int]], dict[str, tuple[float, str]]]:
     """How many tensors of the whole clean comparison each published peer flags, per phase.
 
-    Every floating-point tensor that :func:`tracer.check.compare` checks (same keys, same
-    assembled candidate tensors via :func:`tracer.check._full`) is given to every peer rule.
+    Every floating-point tensor that :func:`tracer.compare.check.compare` checks (same keys, same
+    assembled candidate tensors via :func:`tracer.compare.check._full`) is given to every peer rule.
     Returns ``{phase: {"tensors": n, peer: flagged, ...}}`` plus an ``"all"`` row, and per phase
     ``(k0, tensor)``: the smallest ``k`` of the depth rule that flags none of that phase's
     tensors (the largest ``(||cand - ref|| / ||ref||) / (C^(L+1-l) eps)``), and the tensor
     that sets it.
     """
-    from tracer.check import _full, _index_by_key
-    from tracer.store import TraceReader
+    from tracer.compare.check import _full, _index_by_key
+    from tracer.trace.store import TraceReader
     t = time.perf_counter()
     ref, cand = TraceReader(root / "ref"), TraceReader(root / "cand_clean")
     num_layers, eps = num_layers_of(ref), torch.finfo(COMPUTE_DTYPES[dtype]).eps
@@ -489,11 +489,11 @@ def k0_table(census: dict[str, tuple[dict[str, dict[str, int]], dict[str, tuple[
 
 
 def validate(root: Path, res: Result, factor: float = 1.05) -> tuple[str, str]:
-    """End-to-end check of our delta: a full :func:`tracer.check.compare` of the candidate
+    """End-to-end check of our delta: a full :func:`tracer.compare.check.compare` of the candidate
     whose stored shard reads back scaled by ``1 + delta * factor`` and ``1 + delta / factor``;
     returns the target's status in each."""
-    import tracer.check as chk
-    from tracer.store import TraceReader
+    import tracer.compare.check as chk
+    from tracer.trace.store import TraceReader
     tg = res.target
     cand_root = (root / "cand_clean").resolve()
     out = []
@@ -636,17 +636,17 @@ DEFAULT_NOTE = """
 The reference runs its own trajectory: at step `t` it has drifted from the candidate by `t`
 steps of legitimate round-off, amplified by Adam, and its noise samples follow trajectories of
 their own to cover that drift. The same measurement with a reference re-synchronised to the
-candidate at every step (`--resync`, `tracer.resync`): [sensitivity-resync.md](sensitivity-resync.md).
+candidate at every step (`--resync`, `tracer.capture.resync`): [sensitivity-resync.md](sensitivity-resync.md).
 """
 RESYNC_NOTE = """
-**Re-synchronised reference** (`--resync`, `tracer.resync`): the candidate runs first and also
+**Re-synchronised reference** (`--resync`, `tracer.capture.resync`): the candidate runs first and also
 traces its optimizer state; the reference then starts every step `t >= 1` from the candidate's
 fp32 main parameters and Adam moments at the end of step `t - 1`, and its noise samples start
 each step from that same state. Every step thus compares one step of the candidate with one
 step of the reference, for every method alike (the peers see the same re-synchronised
 reference). Ours then checks the tensors recorded before each step's optimizer update
 (gradients, activations) without the few-source cap on the thresholds' degrees of freedom
-(`tracer.check.few_sources`, `tracer.thresholds`): no Adam flip can drive their deviation,
+(`tracer.compare.check.few_sources`, `tracer.compare.thresholds`): no Adam flip can drive their deviation,
 since every run starts the step from the same parameters; measured on this page's targets
 before that rule, the cap cost up to 1.85x (bf16 max-abs median 8.28x, gradients 9.14x; depth
 11.4x; fp32 depth 1.13x). The same measurement with a reference on its own trajectory:
@@ -672,20 +672,20 @@ TP=2 + SP + PP=2 candidate with the distributed optimizer on 4 gloo ranks
 written by one rank (TP rank 0 of the stage holding it) is multiplied by `1 + delta`
 (in float64, then cast back to the stored dtype), and for each method the smallest flagged
 `delta` in `[1e-8, 1]` is found by bisection on a log scale (to 1%). Every method sees the
-same assembled full tensors (the candidate's shards assembled by `tracer.canonical.assemble`,
-as `tracer.check.compare` does) and the same reference tensor. "FP" means the method already
+same assembled full tensors (the candidate's shards assembled by `tracer.trace.canonical.assemble`,
+as `tracer.compare.check.compare` does) and the same reference tensor. "FP" means the method already
 flags the uncorrupted clean candidate (a false positive); `> 1` means it never flags up to
 `delta = 1`; the ratio is the peer's delta over ours (> 1: ours detects a smaller corruption).
 {RESYNC_NOTE if resync else DEFAULT_NOTE}
 ## Methods
 
-* **ours**: `tracer.check` on the tensor, as `tracer.check.compare` runs by default:
+* **ours**: `tracer.compare.check` on the tensor, as `tracer.compare.check.compare` runs by default:
   flagged when `||cand - ref||_2 > T`, `T` from the reference's noise samples
-  (`tracer.thresholds`), or when the difference's coordinates along the reference on 4 x 4
+  (`tracer.compare.thresholds`), or when the difference's coordinates along the reference on 4 x 4
   blocks exceed their own threshold from the samples' coordinates (the block-scale
-  statistic, `tracer/blockscale.py`), each statistic at half the per-tensor false-alarm rate
+  statistic, `tracer/compare/blockscale.py`), each statistic at half the per-tensor false-alarm rate
   `0.01 / N` of the whole clean comparison (`N` tensors); the clean verdict and threshold are
-  checked to be identical to those of `tracer.check.compare`.
+  checked to be identical to those of `tracer.compare.check.compare`.
 * **ours_norm**: ours with the norm statistic alone (`compare(block_scale=False)`), to show
   what the block-scale statistic adds.
 * **assert_close**: `torch.testing.assert_close(cand, ref)` with its defaults for the stored
@@ -744,7 +744,7 @@ i.e. on how many a 10x lead over that peer is possible at all:
 ## False positives over the whole clean comparison
 
 Every floating-point tensor of the clean comparison (all phases, all steps, the same
-assembled candidate tensors as `tracer.check.compare`), and how many each method flags:
+assembled candidate tensors as `tracer.compare.check.compare`), and how many each method flags:
 
 {census_table({k: v[0] for k, v in census.items()}, comparisons)}
 
@@ -755,7 +755,7 @@ tensor that sets it:
 {k0_table(census)}
 """
     if validations:
-        doc += ("\n## End-to-end check\n\nA full `tracer.check.compare` of the candidate whose stored shard "
+        doc += ("\n## End-to-end check\n\nA full `tracer.compare.check.compare` of the candidate whose stored shard "
                 "reads back scaled by `1 + 1.05 delta` (left) and `1 + delta / 1.05` (right), for our "
                 "delta: the target's status (ratio; first divergence of the comparison).\n\n"
                 + "\n".join(validations) + "\n")
@@ -771,7 +771,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--noise-samples", type=int, default=4)
     ap.add_argument("--resync", action="store_true",
-                    help="re-synchronise the reference to the candidate at every step (tracer.resync): each step "
+                    help="re-synchronise the reference to the candidate at every step (tracer.capture.resync): each step "
                          "compares one step of the candidate against one step of the reference")
     ap.add_argument("--validate", action="store_true",
                     help="also re-run the full comparison at our delta x 1.05 and / 1.05 for the first "

@@ -18,7 +18,7 @@ params (the demo's dtype), global batch 4 (large, xl: 1) in micro batches of 1, 
    steps of every repetition are pooled, so that a slow patch of a shared machine does not
    land on one mode only.
 2. **Trace bytes per step and rank** (manifest + tensor file), full and stats.
-3. **Compare throughput**: :func:`tracer.check.compare` of the tp2 candidate against the
+3. **Compare throughput**: :func:`tracer.compare.check.compare` of the tp2 candidate against the
    world-1 reference (with its noise samples), in GB of reference + candidate trace (the
    noise samples, also read, in a separate column) per second, over the first
    ``--compare-steps`` steps; then one ``cProfile`` run of a comparison (``--profile-model``,
@@ -204,30 +204,30 @@ def _dir_bytes(root: Path, *, noise: bool, steps: int | None = None) -> int:
 
 #: functions whose cumulative time the profile table shows: (label, file suffix, function name)
 PROFILE_PARTS = (
-    ("compare (total)", "tracer/check.py", "compare"),
-    ("validate (manifests + safetensors headers)", "tracer/store.py", "validate"),
-    ("index entries by key (manifests)", "tracer/check.py", "_index_by_key"),
-    ("load tensors (TraceReader.load)", "tracer/store.py", "load"),
-    ("assemble candidate shards (_full, incl. its loads)", "tracer/check.py", "_full"),
-    ("canonical.assemble", "tracer/canonical.py", "assemble"),
-    ("check one tensor (_check_one)", "tracer/check.py", "_check_one"),
-    ("noise samples' moments (combined_moments)", "tracer/deviation.py", "combined_moments"),
-    ("noise threshold (moments_threshold, incl. F quantile)", "tracer/thresholds.py", "moments_threshold"),
-    ("F quantile (scipy.special.fdtri)", "tracer/thresholds.py", "_f_quantile"),
-    ("unmodelled_threshold", "tracer/thresholds.py", "unmodelled_threshold"),
-    ("storage-rounding excess (bf16 params)", "tracer/deviation.py", "_far"),
-    ("difference norms, chunk by chunk (tensors without the block statistic)", "tracer/difference.py",
+    ("compare (total)", "tracer/compare/check.py", "compare"),
+    ("validate (manifests + safetensors headers)", "tracer/trace/store.py", "validate"),
+    ("index entries by key (manifests)", "tracer/compare/check.py", "_index_by_key"),
+    ("load tensors (TraceReader.load)", "tracer/trace/store.py", "load"),
+    ("assemble candidate shards (_full, incl. its loads)", "tracer/compare/check.py", "_full"),
+    ("canonical.assemble", "tracer/trace/canonical.py", "assemble"),
+    ("check one tensor (_check_one)", "tracer/compare/check.py", "_check_one"),
+    ("noise samples' moments (combined_moments)", "tracer/compare/deviation.py", "combined_moments"),
+    ("noise threshold (moments_threshold, incl. F quantile)", "tracer/compare/thresholds.py", "moments_threshold"),
+    ("F quantile (scipy.special.fdtri)", "tracer/compare/thresholds.py", "_f_quantile"),
+    ("unmodelled_threshold", "tracer/compare/thresholds.py", "unmodelled_threshold"),
+    ("storage-rounding excess (bf16 params)", "tracer/compare/deviation.py", "_far"),
+    ("difference norms, chunk by chunk (tensors without the block statistic)", "tracer/compare/difference.py",
      "difference_norms"),
-    ("difference norms and block-scale coordinates, one pass (_block_pass)", "tracer/blockscale.py", "_block_pass"),
-    ("block-scale threshold (deviation_threshold)", "tracer/thresholds.py", "deviation_threshold"),
-    ("worst ranks (_worst_ranks)", "tracer/check.py", "_worst_ranks"),
+    ("difference norms and block-scale coordinates, one pass (_block_pass)", "tracer/compare/blockscale.py", "_block_pass"),
+    ("block-scale threshold (deviation_threshold)", "tracer/compare/thresholds.py", "deviation_threshold"),
+    ("worst ranks (_worst_ranks)", "tracer/compare/check.py", "_worst_ranks"),
 )
 
 
 def profile_compare(ref: Path, cand: Path, steps: list[int]) -> tuple[float, list[tuple[str, float, int]], str]:
     """cProfile one comparison; returns total seconds, the :data:`PROFILE_PARTS` rows
     (label, cumulative s, calls) and the top functions by own time (text)."""
-    from tracer.check import compare
+    from tracer.compare.check import compare
     prof = cProfile.Profile()
     t = time.perf_counter()
     prof.enable()
@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                            f"{noise_per_step / 1e6:.3f}"])
 
     # 3: compare throughput
-    from tracer.check import compare
+    from tracer.compare.check import compare
     cmp_rows = []
     false_pos: list[tuple[str, list]] = []  # the clean candidate must have none; reported as found
     prof = None
@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
           "\n## Trace bytes per step and rank (MB; world 2: rank 0 / rank 1)\n",
           _table(["model", "layout", "mode", "MB per step per rank"], bytes_rows)]
     md += profile_md("stats", "stats-only tracing")
-    md += [(f"\n## Compare throughput (goal >= 1 GB/s)\n\n`tracer.check.compare(reference, candidate)`: the "
+    md += [(f"\n## Compare throughput (goal >= 1 GB/s)\n\n`tracer.compare.check.compare(reference, candidate)`: the "
            f"world-1 reference (full, with its S={S} noise samples) against the tp2+sp candidate (full), "
            f"the first {csteps} step(s) (compare's `steps=`), median of {creps} run(s). GB/s = (reference + "
            "candidate bytes, noise samples "
@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
                 "profiler)\n\n"
                "Cumulative times; the rows nest (`_check_one` contains `moments_threshold`, which contains "
                "the F quantile; `_full` contains its loads; the noise samples are stored as moments, "
-               "`tracer/deviation.py`).\n"),
+               "`tracer/compare/deviation.py`).\n"),
                _table(["part", "cumulative s", "share", "calls"],
                       [[lbl, f"{c:.2f}", f"{c / total:.0%}", str(n)] for lbl, c, n in parts]),
                "\nTop functions by own time:\n\n```\n" + top + "\n```"]

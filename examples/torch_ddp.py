@@ -7,8 +7,8 @@ and a linear head, MSE loss, Adam. A fixed global batch of ``GLOBAL_MICROBATCHES
 per step is split into microbatches of one sequence:
 
 * reference: 1 process runs all of them with gradient accumulation, traced with
-  :class:`tracer.pytorch.DDPTracer` (``dp=1``); every step is first re-run 3 times under
-  the noise injector (:class:`tracer.reference.NoiseSampler`, probabilistic mode), which
+  :class:`tracer.adapters.ddp.DDPTracer` (``dp=1``); every step is first re-run 3 times under
+  the noise injector (:class:`tracer.capture.noise_sampler.NoiseSampler`, probabilistic mode), which
   gives the thresholds;
 * candidate: ``torch.nn.parallel.DistributedDataParallel`` over 2 gloo ranks, each running
   half of the microbatches (``no_sync`` for all but the last), traced with ``DDPTracer``.
@@ -43,9 +43,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from examples.gloo import run_gloo
 from examples.transformer_block import Block
-from tracer.pytorch import DDPTracer
-from tracer.reference import NoiseSampler
-from tracer.store import TraceWriter
+from tracer.adapters.ddp import DDPTracer
+from tracer.capture.noise_sampler import NoiseSampler
+from tracer.trace.store import TraceWriter
 
 __all__ = ["BUG_PARAM", "EXPECTED_BUG", "Net", "candidate_worker", "reference_worker", "train_step"]
 
@@ -176,7 +176,7 @@ def candidate_worker(rank: int, world: int, jobs: list[dict]) -> list[float]:
 
 def run(out: Path, dtypes: list[str], steps: int, bug: bool) -> dict[str, Any]:
     """Trace references and candidates under ``out`` and compare them; returns the comparisons."""
-    from tracer.check import compare
+    from tracer.compare.check import compare
     refs = [{"root": str(out / f"ref_{d}"), "dtype": d, "steps": steps} for d in dtypes]
     cands = [{"root": str(out / f"ddp_{d}"), "dtype": d, "steps": steps} for d in dtypes]
     if bug:
@@ -195,7 +195,7 @@ def run(out: Path, dtypes: list[str], steps: int, bug: bool) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tracer.report import summary
+    from tracer.report.summary import summary
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--dtype", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])

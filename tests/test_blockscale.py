@@ -1,4 +1,4 @@
-"""The block-scale statistic (tracer.blockscale): exact coordinates, the shard-scaling
+"""The block-scale statistic (tracer.compare.blockscale): exact coordinates, the shard-scaling
 signal it keeps whole, its false-alarm rate under the thresholds' model, and the check
 flagging a scaled shard that the norm of the difference misses."""
 from __future__ import annotations
@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
-import tracer.blockscale as blockscale
-from tracer.blockscale import block_grid, block_scales, block_scales_and_norms
-from tracer.check import _check_one
-from tracer.deviation import block_scale_applies
-from tracer.difference import difference_norms
-from tracer.thresholds import deviation_threshold
+import tracer.compare.blockscale as blockscale
+from tracer.compare.blockscale import block_grid, block_scales, block_scales_and_norms
+from tracer.compare.check import _check_one
+from tracer.compare.deviation import block_scale_applies
+from tracer.compare.difference import difference_norms
+from tracer.compare.thresholds import deviation_threshold
 
 
 def _exact(ref: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

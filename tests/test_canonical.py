@@ -1,4 +1,4 @@
-"""Tests for tracer.canonical: shard -> assemble round trips, replicas, partials, PP renumbering."""
+"""Tests for tracer.trace.canonical: shard -> assemble round trips, replicas, partials, PP renumbering."""
 from __future__ import annotations
 
 import itertools
@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tracer.canonical import (
+from tracer.trace.canonical import (
     AssemblyReport,
     Placement,
     ShardDim,
@@ -404,7 +404,7 @@ def test_docs_example_runs():
 
 def test_through_trace_store(tmp_path):
     """Placements survive the store's manifest; assemble reads them back as dicts."""
-    from tracer.store import TraceReader, TraceWriter
+    from tracer.trace.store import TraceReader, TraceWriter
     full = randn(4, 6, dtype=torch.bfloat16)
     for rank in range(2):
         p = Placement((ShardDim(0, "tp", rank, 2),), full_shape=(4, 6))

@@ -7,9 +7,9 @@ import math
 
 import torch
 
-from tracer.check import compare
-from tracer.optim_state import cast_mismatches
-from tracer.store import INVARIANT_PHASES, TraceWriter
+from tracer.compare.check import compare
+from tracer.capture.optim_state import cast_mismatches
+from tracer.trace.store import INVARIANT_PHASES, TraceWriter
 
 
 def _truncated(x: torch.Tensor) -> torch.Tensor:

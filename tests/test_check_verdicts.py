@@ -1,11 +1,11 @@
-"""tracer.check's per-tensor verdicts: NaN/Inf (the all-finite fast path must not hide them), float32
+"""tracer.compare.check's per-tensor verdicts: NaN/Inf (the all-finite fast path must not hide them), float32
 arithmetic against float64, and the threshold of a tensor no noise sample moved."""
 import math
 
 import pytest
 import torch
 
-from tracer.check import _check_one
+from tracer.compare.check import _check_one
 
 ENTRY = {"index": 0, "meta": {"module": "m"}, "dtype": "float32"}
 KEY = ("fwd", "m.output", 0, 0)
@@ -81,11 +81,11 @@ def test_a_tensor_no_sample_moved_gets_two_ulp():
 
 
 def test_few_source_cap_is_lifted_only_before_the_update_of_restarted_samples(tmp_path):
-    """tracer.check.samples_restart reads the samples' run.json meta; few_sources keeps the cap
+    """tracer.compare.check.samples_restart reads the samples' run.json meta; few_sources keeps the cap
     on every phase of unrestarted samples, of a step with a top-k choice, and on the phases
     after the optimizer update."""
-    from tracer.check import few_sources, samples_restart
-    from tracer.store import PRE_UPDATE_PHASES, TraceReader, TraceWriter
+    from tracer.compare.check import few_sources, samples_restart
+    from tracer.trace.store import PRE_UPDATE_PHASES, TraceReader, TraceWriter
     for name, meta in (("restarted", {"restarts_each_step": True}), ("plain", None)):
         TraceWriter(tmp_path / name, 0, 1, {}, "sig", run_meta=meta).close()
     restarted, plain = TraceReader(tmp_path / "restarted"), TraceReader(tmp_path / "plain")
@@ -99,7 +99,7 @@ def test_few_source_cap_is_lifted_only_before_the_update_of_restarted_samples(tm
 def test_without_the_few_source_cap_n_eff_is_the_participation_ratio():
     """Four samples whose squared norms spread widely: the cap (2 mean^2 / var) binds, and
     without it n_eff is the participation ratio; the threshold factor follows F(n, 4n)."""
-    from tracer.thresholds import _f_quantile, moments_threshold
+    from tracer.compare.thresholds import _f_quantile, moments_threshold
     z = [1.0, 1.0, 1.0, 5.0]              # mean 2, var 4: moment estimate 2
     m_sq = 16 * (8.0 / 16) ** 2           # 16 equal elements of m: participation ratio 16
     capped, free = moments_threshold(z, m_sq, 1e-5), moments_threshold(z, m_sq, 1e-5, few_sources=False)

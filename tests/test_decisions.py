@@ -1,4 +1,4 @@
-"""Top-k choices in a comparison (tracer.decisions): a near-tie that a correct candidate routes
+"""Top-k choices in a comparison (tracer.compare.decisions): a near-tie that a correct candidate routes
 the other way is left out of the router's gradient; a wrong selection is still caught."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tracer.check import compare
-from tracer.decisions import changed_choices, choice_changes, gap_at, topk_consumer_meta, topk_meta, without_choices
-from tracer.store import TraceWriter
+from tracer.compare.check import compare
+from tracer.compare.decisions import changed_choices, choice_changes, gap_at, topk_consumer_meta, topk_meta, without_choices
+from tracer.trace.store import TraceWriter
 
 T, E, K, TIE = 16, 4, 2, 7  # tokens, experts, top-k, the near-tie token
 

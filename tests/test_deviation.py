@@ -1,4 +1,4 @@
-"""Noise samples stored as deviation moments (tracer.deviation) give the thresholds of the whole samples."""
+"""Noise samples stored as deviation moments (tracer.compare.deviation) give the thresholds of the whole samples."""
 from __future__ import annotations
 
 import math
@@ -6,13 +6,13 @@ import math
 import pytest
 import torch
 
-from tracer.check import compare
-from tracer.decisions import TOPK_META
-from tracer.deviation import (DEVIATION_FIELD, MOMENT_CHUNK, DeviationOf, MomentAccumulator, MomentWriter,
+from tracer.compare.check import compare
+from tracer.compare.decisions import TOPK_META
+from tracer.compare.deviation import (DEVIATION_FIELD, MOMENT_CHUNK, DeviationOf, MomentAccumulator, MomentWriter,
                               combined_moments, work_dtype)
 from tracer.errors import TraceError
-from tracer.store import TraceReader, TraceWriter
-from tracer.thresholds import deviation_threshold, moments_threshold
+from tracer.trace.store import TraceReader, TraceWriter
+from tracer.compare.thresholds import deviation_threshold, moments_threshold
 
 LAYOUT = {"tp": 1}
 SIG = "toy-model"
@@ -180,8 +180,8 @@ def test_a_tensor_the_clean_step_did_not_trace_is_stored_whole(tmp_path):
 def _train(root, store: str | None, perturb: float = 0.0, steps: int = 2, background: bool = False):
     """A tiny MLP trained with Adam, traced (reference: with 3 noise samples stored as ``store``;
     ``background``: the run's writer writes on its own thread)."""
-    from tracer.pytorch import DDPTracer
-    from tracer.reference import NoiseSampler
+    from tracer.adapters.ddp import DDPTracer
+    from tracer.capture.noise_sampler import NoiseSampler
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -251,7 +251,7 @@ def test_storage_rounding_excess_equals_its_formula_everywhere(dtype, work):
     element, bit for bit: equal values, one-ulp flips (across powers of two too), larger
     differences, sign changes, zeros, subnormals and NaN/Inf of the candidate, on the working
     dtype's values and on the stored ones."""
-    from tracer.deviation import storage_rounding_excess
+    from tracer.compare.deviation import storage_rounding_excess
     from ttrace_num.formats import get_format, half_ulp
     fmt = get_format(dtype)
     g = torch.Generator().manual_seed(11)
@@ -283,7 +283,7 @@ def test_storage_rounding_allowance_bounds_what_the_excess_removes():
     """||x - ref|| - ||excess(x)|| <= the allowance from norms, on one-ulp flips of bf16 values just
     above powers of two (where it is nearly attained) and on random differences; a factor 1
     instead of 2 is violated (negative control)."""
-    from tracer.deviation import storage_rounding_allowance, storage_rounding_excess
+    from tracer.compare.deviation import storage_rounding_allowance, storage_rounding_excess
     g = torch.Generator().manual_seed(5)
     signs = torch.where(torch.rand(4096, generator=g) < 0.5, -1.0, 1.0)
     ref = (torch.exp2(torch.randint(-20, 20, (4096,), generator=g).float()) * 1.0078125 * signs).to(torch.bfloat16)

@@ -1,4 +1,4 @@
-"""tracer.difference: the norms of a difference chunk by chunk, against float64 references."""
+"""tracer.compare.difference: the norms of a difference chunk by chunk, against float64 references."""
 from __future__ import annotations
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from tracer.difference import difference_norms
+from tracer.compare.difference import difference_norms
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])

@@ -1,4 +1,4 @@
-"""tracer.hooks: the tracer never changes the numerics, records exactly what it should,
+"""tracer.capture.hooks: the tracer never changes the numerics, records exactly what it should,
 in execution order, and round-trips through the store."""
 import copy
 
@@ -8,9 +8,9 @@ from torch import nn
 
 from examples.transformer_block import Block
 from tracer.errors import TraceError
-from tracer.hooks import Tracer
-from tracer.stats import STATS_CHUNK
-from tracer.store import TraceReader, TraceWriter
+from tracer.capture.hooks import Tracer
+from tracer.trace.stats import STATS_CHUNK
+from tracer.trace.store import TraceReader, TraceWriter
 
 
 def _mlp(inplace=False, seed=0, hidden=8):

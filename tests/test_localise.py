@@ -1,4 +1,4 @@
-"""Localisation by re-running a module on the candidate's inputs (tracer.localise).
+"""Localisation by re-running a module on the candidate's inputs (tracer.compare.rerun).
 
 A bf16 transformer block is the reference module. Three candidates:
 * a wrong module (fc2 weight off by 2^-5) on the reference's inputs -> "module is wrong";
@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from examples.transformer_block import Block
-from tracer.localise import rerun_module, split_inputs
-from tracer.megatron import noise_policy
+from tracer.compare.rerun import rerun_module, split_inputs
+from tracer.adapters.megatron import noise_policy
 
 
 def _block():
@@ -64,7 +64,7 @@ def test_legitimate_split_reduction_is_within_threshold():
 
 def test_a_rescaled_half_of_the_output_is_blamed_by_the_block_scale_statistic():
     """Half the output's columns scaled by 1 + 2^-7: inside the norm's threshold, over the
-    block-scale statistic's (as tracer.check would have flagged it)."""
+    block-scale statistic's (as tracer.compare.check would have flagged it)."""
     block, x = _block()
     with torch.no_grad():
         y_c = block(x)

@@ -26,10 +26,10 @@ pytest.importorskip("megatron.core")
 
 from examples.gloo import run_gloo
 from examples.megatron_cpu.bugs import BUGS, bug
-from tracer.canonical import Placement, assemble, shard
-from tracer.check import compare
+from tracer.trace.canonical import Placement, assemble, shard
+from tracer.compare.check import compare
 from tracer.errors import CorruptTraceError, IncomparableRunsError, MissingRankError
-from tracer.store import TraceReader
+from tracer.trace.store import TraceReader
 
 STEPS = 3
 SEEDS = (0, 1)
@@ -48,7 +48,7 @@ TESTED_BUGS = ("sp_norm_grad_not_reduced", "vocab_ce_local_denominator", "grad_n
          "before its GEMM: one rank's partial sum is wrong, the all-reduced output diverges")
 def _row_partial(model, config, optimizer):
     from megatron.core import parallel_state as ps
-    from tracer.megatron import unwrap
+    from tracer.adapters.megatron import unwrap
     inner = unwrap(model)
     layers = inner.decoder.layers if hasattr(inner, "decoder") else []
     targets = [layer.mlp.linear_fc2 for layer in layers if layer.layer_number == 2]
@@ -273,7 +273,7 @@ def _metadata(path: Path) -> dict:
 
 
 def test_report_files(traces, tmp_path):
-    from tracer.report import plot, summary, write_json
+    from tracer.report.summary import plot, summary, write_json
     c = compare(traces / "ref_bf16_0", traces / "bug_sp_norm_grad_not_reduced")
     text = summary(c)
     assert "DIVERGENT" in text and "first divergence: step 0, phase grad_local" in text

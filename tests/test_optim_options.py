@@ -7,10 +7,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tracer.canonical import Placement, ShardDim
-from tracer.check import compare
-from tracer.optim_state import optimizer_options, state_step_range
-from tracer.store import TraceWriter
+from tracer.trace.canonical import Placement, ShardDim
+from tracer.compare.check import compare
+from tracer.capture.optim_state import optimizer_options, state_step_range
+from tracer.trace.store import TraceWriter
 
 
 def _adamw(**group1) -> torch.optim.AdamW:
@@ -57,7 +57,7 @@ def test_an_eps_that_differs_from_the_references_is_the_first_divergence(tmp_pat
 
 
 def test_the_plain_pytorch_tracer_records_the_options_and_needs_the_optimizer(tmp_path):
-    from tracer.pytorch import DDPTracer
+    from tracer.adapters.ddp import DDPTracer
     model = torch.nn.Linear(2, 2)
     w = TraceWriter(tmp_path / "t", 0, 1, {}, "sig")
     with pytest.raises(ValueError, match=r"capture 'options' .* pass DDPTracer\(\.\.\., optimizer=\.\.\.\)"):
@@ -68,7 +68,7 @@ def test_the_plain_pytorch_tracer_records_the_options_and_needs_the_optimizer(tm
         t.after_optimizer_step()
     t.remove()
     w.close()
-    from tracer.store import TraceReader
+    from tracer.trace.store import TraceReader
     names = {e["name"] for e in TraceReader(tmp_path / "t").entries(0, 0) if e["phase"] == "options"}
     assert names == {f"optimizer.{k}" for k in optimizer_options(opt)}
 

@@ -1,4 +1,4 @@
-"""A reference re-synchronised to its candidate at every step (tracer.resync).
+"""A reference re-synchronised to its candidate at every step (tracer.capture.resync).
 
 Unit tests (no megatron): the candidate's main params and Adam moments, written as TP shards
 by two ranks, are assembled and loaded bitwise into a reference optimizer of each kind
@@ -19,11 +19,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tracer.canonical import Placement, ShardDim, shard
+from tracer.trace.canonical import Placement, ShardDim, shard
 from tracer.errors import MissingRankError, TraceError
-from tracer.optim_state import main_param_and_state
-from tracer.resync import STATE_PHASES, ResyncWarning, candidate_state, load_state
-from tracer.store import PRE_UPDATE_PHASES, TraceWriter
+from tracer.capture.optim_state import main_param_and_state
+from tracer.capture.resync import STATE_PHASES, ResyncWarning, candidate_state, load_state
+from tracer.trace.store import PRE_UPDATE_PHASES, TraceWriter
 
 SHAPES = {"w": (4, 6), "b": (6,)}
 TP_SPLIT = {"w": 0, "b": None}  # w column-split over 2 TP ranks along dim 0, b replicated
@@ -169,7 +169,7 @@ def synced(tmp_path_factory) -> Path:
     plain-PyTorch candidate and its re-synchronised reference (4 noise samples)."""
     pytest.importorskip("megatron.core")
     from examples.gloo import run_gloo
-    from tracer.megatron import DEFAULT_CAPTURE
+    from tracer.adapters.megatron import DEFAULT_CAPTURE
     root = tmp_path_factory.mktemp("resync")
     dtypes = ("fp32", "bf16")
     from examples.torch_parallel.layout import Layout
@@ -192,8 +192,8 @@ def synced(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_candidate_traces_its_optimizer_state_as_flat_shards(synced, dtype):
-    from tracer.check import assembled_records
-    from tracer.store import TraceReader
+    from tracer.compare.check import assembled_records
+    from tracer.trace.store import TraceReader
     reader = TraceReader(synced / f"cand_{dtype}")
     entries = [e for r in reader.ranks(0) for e in reader.entries(0, r) if e["phase"] == "exp_avg"]
     kinds = {d["kind"] for e in entries for d in e["placement"]["dims"] if d["group"] == "dp"}
@@ -209,7 +209,7 @@ def test_candidate_traces_its_optimizer_state_as_flat_shards(synced, dtype):
 def test_resynchronised_reference_starts_each_step_from_the_candidates_parameters(synced, dtype):
     """The embedding lookup copies parameters exactly (TP: a sum of one row and zeros): after
     step 0 it agrees bitwise with the candidate's only on the re-synchronised reference."""
-    from tracer.check import assembled_records
+    from tracer.compare.check import assembled_records
     for step in (1, 2):
         cand = assembled_records(synced / f"cand_{dtype}", step, "fwd", 0, "embedding.output")["embedding.output"]
         ref = assembled_records(synced / f"ref_{dtype}", step, "fwd", 0, "embedding.output")["embedding.output"]
@@ -220,7 +220,7 @@ def test_resynchronised_reference_starts_each_step_from_the_candidates_parameter
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_resynchronised_comparison_is_clean(synced, dtype):
-    from tracer.check import compare
+    from tracer.compare.check import compare
     c = compare(synced / f"ref_{dtype}", synced / f"cand_{dtype}")
     print(f"\n{dtype}: {len(c.rows)} tensors, max error/threshold {c.max_ratio_ok:.3f}")
     assert not c.unmatched, c.unmatched[:5]  # the candidate's optimizer state is not compared
@@ -230,8 +230,8 @@ def test_resynchronised_comparison_is_clean(synced, dtype):
 
 
 def _caps(monkeypatch, ref, cand) -> set[tuple[str, bool]]:
-    """(phase, few_sources) of every tensor ``tracer.check.compare`` checks; asserts it is clean."""
-    import tracer.check as check
+    """(phase, few_sources) of every tensor ``tracer.compare.check.compare`` checks; asserts it is clean."""
+    import tracer.compare.check as check
     seen, routed = set(), check._check_routed
     monkeypatch.setattr(check, "_check_routed", lambda *a, few_sources, **k: (
         seen.add((a[1][0], few_sources)), routed(*a, few_sources=few_sources, **k))[1])
@@ -244,8 +244,8 @@ def test_restarted_samples_lift_the_few_source_cap_before_the_update_only(synced
     """The re-synchronised reference's samples say they restart each step; the comparison then
     checks the tensors recorded before the optimizer update without the few-source cap on their
     degrees of freedom, and keeps it on the parameters after the update."""
-    import tracer.check as check
-    from tracer.store import TraceReader
+    import tracer.compare.check as check
+    from tracer.trace.store import TraceReader
     readers = [TraceReader(d) for d in check.noise_dirs(synced / f"ref_{dtype}")]
     assert len(readers) == 2 and check.samples_restart(readers)
     assert not check.samples_restart([TraceReader(synced / f"own_{dtype}")])  # a plain trace: no such meta
@@ -259,8 +259,8 @@ def test_restarted_samples_lift_the_few_source_cap_before_the_update_only(synced
 
 def test_a_step_with_topk_choices_keeps_the_cap(synced, monkeypatch):
     """The MoE's routers make discrete choices inside the step: the cap stays on every tensor."""
-    from tracer.check import makes_topk_choice
-    from tracer.store import TraceReader
+    from tracer.compare.check import makes_topk_choice
+    from tracer.trace.store import TraceReader
     assert makes_topk_choice(TraceReader(synced / "ref_moe"), 1)
     assert not makes_topk_choice(TraceReader(synced / "ref_fp8"), 1)
     seen = _caps(monkeypatch, synced / "ref_moe", synced / "cand_moe")
@@ -275,7 +275,7 @@ def test_localisation_rerun_starts_from_the_candidates_state(synced, dtype):
     from dataclasses import replace
 
     from examples.megatron_cpu.localise import rerun_first_divergence
-    from tracer.check import compare
+    from tracer.compare.check import compare
     c = compare(synced / f"ref_{dtype}", synced / f"cand_{dtype}")
     row = next(r for r in c.rows if (r.step, r.phase, r.name) == (2, "fwd", "decoder.final_layernorm.output"))
     synced_v = rerun_first_divergence(replace(c, first=row), seed=0, dtype=dtype, global_batch=2, resync=True)
@@ -290,7 +290,7 @@ def test_plain_pytorch_harness_resynchronises(synced, kind):
     """The plain-PyTorch harness: parameters, Adam moments and FP8 delayed-scaling state are
     loaded (without the FP8 amax histories the step-1 FP8 scales differ: 12 tensors over,
     the scales 5.7e4x their threshold, measured on this layout), and the comparison is clean."""
-    from tracer.check import compare
+    from tracer.compare.check import compare
     c = compare(synced / f"ref_{kind}", synced / f"cand_{kind}")
     print(f"\n{TORCH_LAYOUTS[kind]}: {len(c.rows)} tensors, max error/threshold {c.max_ratio_ok:.3f}, {c.counts()}")
     assert not c.unmatched, c.unmatched[:5]

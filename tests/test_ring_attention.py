@@ -33,7 +33,7 @@ from examples.torch_parallel import ring_attention as RA
 from ttrace_num.bounds.attention import attention as attn_bound
 from ttrace_num.bounds.attention import attention_backward as attn_bwd_bound
 from ttrace_num.formats import get_format, half_ulp
-from tracer.canonical import Placement, ShardDim, shard
+from tracer.trace.canonical import Placement, ShardDim, shard
 
 S, H, DH = 64, 2, 16
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -1,4 +1,4 @@
-"""tracer.safetensors_writer: files that safetensors itself reads back as its own writer's."""
+"""tracer.trace.safetensors_writer: files that safetensors itself reads back as its own writer's."""
 import io
 import json
 
@@ -7,7 +7,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from tracer.safetensors_writer import SAFETENSORS_DTYPES, write_safetensors
+from tracer.trace.safetensors_writer import SAFETENSORS_DTYPES, write_safetensors
 
 
 def _sample(dtype: torch.dtype, shape: tuple[int, ...], seed: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Statistics of traced tensors (tracer/stats.py): one at a time and a step's worth at once."""
+"""Statistics of traced tensors (tracer/trace/stats.py): one at a time and a step's worth at once."""
 import json
 import math
 
@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-import tracer.stats as stats
-from tracer.stats import QUANTILES, STATS_CHUNK, PendingStats, _quantiles, tensor_stats, tensor_stats_many
-from tracer.store import TraceReader, TraceWriter
+import tracer.trace.stats as stats
+from tracer.trace.stats import QUANTILES, STATS_CHUNK, PendingStats, _quantiles, tensor_stats, tensor_stats_many
+from tracer.trace.store import TraceReader, TraceWriter
 
 
 def test_stats_subsample_and_nonfinite():

@@ -1,4 +1,4 @@
-"""tracer.store: round trips, atomic writes, and a clear error for every kind of bad input."""
+"""tracer.trace.store: round trips, atomic writes, and a clear error for every kind of bad input."""
 import errno
 import gc
 import json
@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-import tracer.store as store
+import tracer.trace.store as store
 from tracer.errors import (CorruptTraceError, IncomparableRunsError, ManifestMismatchError,
                            MissingRankError, TraceError, TraceWriteError)
-from tracer.store import TraceReader, _jsonable, TraceWriter, check_comparable, manifest_path, tensor_path
+from tracer.trace.store import TraceReader, _jsonable, TraceWriter, check_comparable, manifest_path, tensor_path
 
 LAYOUT = {"tp": 2, "pp": 1, "dp": 1}
 SIG = "gpt-tiny:cfg=abc123"

@@ -208,7 +208,7 @@ def test_injector_gives_bf16_gemms_the_model_variance_and_keeps_bounds_for_mixed
     """bf16 linear, TP=2 model: the noise has the model's variance, plus the re-rounding of the
     noisy result to bf16 (measured 1.26x the model's variance, within [1, 1.5]); the bound-sized
     noise it replaces has 3.6x it. Operands of two dtypes keep the bound."""
-    from tracer.megatron import noise_policy
+    from tracer.adapters.megatron import noise_policy
     from ttrace_num.propagate.noise import NoiseInjector
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(256, 128, generator=g).bfloat16(), torch.randn(64, 128, generator=g).bfloat16()

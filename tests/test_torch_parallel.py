@@ -12,7 +12,7 @@ from examples.torch_parallel import ring_attention as ra
 from examples.torch_parallel.bugs import BUGS
 from examples.torch_parallel.layout import Layout
 from examples.torch_parallel.train import Run
-from tracer.reference import StateSnapshot
+from tracer.capture.noise_sampler import StateSnapshot
 from ttrace_num.propagate.noise import NoiseInjector
 
 

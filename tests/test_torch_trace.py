@@ -1,4 +1,4 @@
-"""Traced comparison of a plain PyTorch DDP run (examples/torch_ddp.py, tracer/pytorch.py).
+"""Traced comparison of a plain PyTorch DDP run (examples/torch_ddp.py, tracer/adapters/ddp.py).
 
 Two gloo launches for the whole module: world 1 traces the single-device references (fp32
 and bf16, 3 steps, 3 noise samples each), world 2 traces the DDP candidates (fp32, bf16)
@@ -20,10 +20,10 @@ import torch
 
 from examples import torch_ddp as ex
 from examples.gloo import run_gloo
-from tracer.canonical import Placement, assemble, shard
-from tracer.check import compare
-from tracer.pytorch import ddp_placement, dtensor_placement
-from tracer.store import TraceReader
+from tracer.trace.canonical import Placement, assemble, shard
+from tracer.compare.check import compare
+from tracer.adapters.ddp import ddp_placement, dtensor_placement
+from tracer.trace.store import TraceReader
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 3

@@ -20,8 +20,8 @@ from ttrace_num.cli import build_parser as numerics_parser
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from tracer.check import compare
-    from tracer.report import plot, summary, write_json
+    from tracer.compare.check import compare
+    from tracer.report.summary import plot, summary, write_json
     try:
         c = compare(args.reference, args.candidate, noise=args.noise or None, false_alarm=args.false_alarm,
                     steps=args.step or None, progress=sys.stderr.isatty(), block_scale=args.block_scale)
@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--false-alarm", type=float, default=1e-2,
                    help="false-alarm probability of the whole comparison, split over its tensors (default 0.01)")
     c.add_argument("--block-scale", action=argparse.BooleanOptionalAction, default=True,
-                   help="also test the block-scale statistic (tracer/blockscale.py; default on): several times "
+                   help="also test the block-scale statistic (tracer/compare/blockscale.py; default on): several times "
                         "more sensitive to a wrongly scaled shard; --no-block-scale: the norm statistic alone")
     c.add_argument("--report", metavar="PATH", help="report path without suffix (default CAND/ttrace_report)")
     c.add_argument("--top", type=int, default=5, help="how many of the worst tensors to list")

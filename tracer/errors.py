@@ -6,7 +6,7 @@ where they are known -- and says what to do next. Bad input never raises a bare
 here so that a user reading a trace of a 512-rank run knows which file to look at.
 
 NaN/Inf values in a traced tensor are *not* errors: they are findings
-(:meth:`tracer.store.TraceReader.findings`).
+(:meth:`tracer.trace.store.TraceReader.findings`).
 """
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from examples.bug_registry import Bug, Registry
 from examples.bug_registry import replace as _replace
-from tracer.optim_state import chained, param_groups
+from tracer.capture.optim_state import chained, param_groups
 
 __all__ = ["BUGS", "Bug", "bug", "inject"]
 
@@ -589,7 +589,7 @@ def _shard_not_updated(model, config, optimizer):
     import torch
     from megatron.core import parallel_state as ps
 
-    from tracer.optim_state import main_param_and_state
+    from tracer.capture.optim_state import main_param_and_state
     victims = _params(model, "linear_fc2.weight")
     if ps.get_tensor_model_parallel_rank() != 1:
         return lambda: None

@@ -6,13 +6,13 @@
    ``--noise-samples`` noisy trajectories for the thresholds (:mod:`examples.megatron_cpu.traced`);
 2. candidate: TP=2 + SP + PP=2 with the distributed optimizer, 4 gloo ranks, traced twice:
    clean, then with ``--bug`` injected (:mod:`examples.megatron_cpu.bugs`);
-3. both candidates compared with :func:`tracer.check.compare`; a summary is printed (and, when
+3. both candidates compared with :func:`tracer.compare.check.compare`; a summary is printed (and, when
    the first divergence is a module's forward output, that module is re-run on the
    candidate's inputs: :mod:`examples.megatron_cpu.localise`), and a JSON report and a PNG
    plot per candidate are written under ``--out``.
 
 ``--resync``: the candidates run first, and each gets a reference of its own that starts every
-step from its state (:mod:`tracer.resync`).
+step from its state (:mod:`tracer.capture.resync`).
 """
 from __future__ import annotations
 
@@ -45,15 +45,15 @@ def trace_runs(out: Path, *, steps: int, seed: int, dtype: str, bug: str | None,
                candidate: dict = CANDIDATE, noise_store: str = "moments", resync: bool = False,
                log=print) -> dict[str, dict]:
     """Trace the reference and the candidate(s) into ``out/{ref,cand_clean,cand_bug}``;
-    ``noise_store``: how the reference's noise samples are stored (``tracer.reference.NoiseSampler``).
+    ``noise_store``: how the reference's noise samples are stored (``tracer.capture.noise_sampler.NoiseSampler``).
 
     ``resync``: the reference is re-synchronised to each candidate at every step
-    (:mod:`tracer.resync`): the candidates run first and also trace their optimizer state
+    (:mod:`tracer.capture.resync`): the candidates run first and also trace their optimizer state
     (capture ``optim``, which the comparison does not compare), then one reference per
     candidate (``out/ref`` for the clean one, ``out/ref_bug`` for the buggy one) starts every
     step from that candidate's state."""
     world = candidate["tp"] * candidate["pp"] * candidate["dp"]
-    from tracer.megatron import DEFAULT_CAPTURE
+    from tracer.adapters.megatron import DEFAULT_CAPTURE
     capture = {"capture": DEFAULT_CAPTURE + ("optim",)} if resync else {}
     ref_job = {"layout": {"tp": 1, "pp": 1, "dp": 1}, "steps": steps, "seed": seed, "dtype": dtype}
     ref_trace = {"noise_samples": noise_samples, "noise_store": noise_store, "noise_tp": candidate["tp"]}
@@ -95,12 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     ap.add_argument("--noise-samples", type=int, default=4)
     ap.add_argument("--resync", action="store_true",
-                    help="re-synchronise a reference to each candidate at every step (tracer.resync)")
+                    help="re-synchronise a reference to each candidate at every step (tracer.capture.resync)")
     ap.add_argument("--bug", default="sp_norm_grad_not_reduced", choices=sorted(BUGS),
                     help="catalogue bug injected into the second candidate run")
     a = ap.parse_args(argv)
-    from tracer.check import compare
-    from tracer.report import plot, summary, write_json
+    from tracer.compare.check import compare
+    from tracer.report.summary import plot, summary, write_json
     out = Path(a.out)
     shutil.rmtree(out, ignore_errors=True)
     t0 = time.perf_counter()

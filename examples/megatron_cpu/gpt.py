@@ -80,8 +80,8 @@ def _digest(chunks: list) -> str:
 
 def _rerun(model, rerun: dict, dtype: str):
     """Re-run one module of this (single-process) model on the candidate's inputs."""
-    from tracer.localise import rerun_module
-    from tracer.megatron import noise_policy, unwrap
+    from tracer.compare.rerun import rerun_module
+    from tracer.adapters.megatron import noise_policy, unwrap
     modules = dict(unwrap(model).named_modules())
     if rerun["module"] not in modules:
         raise ValueError(f"no module {rerun['module']!r} in the reference model")
@@ -91,8 +91,8 @@ def _rerun(model, rerun: dict, dtype: str):
 
 def _resync(model, optimizer, candidate: str, step: int) -> None:
     """Load the candidate's state at the end of ``step`` into this (single-process) run."""
-    from tracer.megatron import unwrap
-    from tracer.resync import candidate_state, load_state
+    from tracer.adapters.megatron import unwrap
+    from tracer.capture.resync import candidate_state, load_state
     load_state(optimizer, list(unwrap(model).named_parameters()), candidate_state(candidate, step))
 
 
@@ -134,20 +134,20 @@ def build_and_train(layout: dict, steps: int = 3, seed: int = 1234, dtype: str =
         zero_grad_of, zero_grad_rank: negative control: on global rank ``zero_grad_rank``,
             zero the main grad of every param whose name contains ``zero_grad_of`` after the
             backward pass and before ``finalize_model_grads`` (before DP/TP reduction).
-        trace: trace the run with :class:`tracer.megatron.MegatronTracer`: ``{"root": dir,
+        trace: trace the run with :class:`tracer.adapters.megatron.MegatronTracer`: ``{"root": dir,
             "mode": "full"|"stats", "noise_samples": S, "noise_tp": T, "noise_seed": k,
             "noise_store": "moments"|"tensors"}``.
             ``noise_samples > 0`` (single-process reference only) also runs every step ``S``
             times under ``ttrace_num``'s noise injector, from the same state, into
             ``root/noise/sample_<i>`` (see :mod:`examples.megatron_cpu.traced`), stored as
-            deviation moments (default) or whole (:class:`tracer.reference.NoiseSampler`).
+            deviation moments (default) or whole (:class:`tracer.capture.noise_sampler.NoiseSampler`).
         bug: name of a bug from :mod:`examples.megatron_cpu.bugs` to inject into this run.
         rerun: localisation (single process only): ``{"step": t, "module": canonical name,
             "args": [...], "kwargs": {...}, "output": candidate's output, "noise_tp": T}``:
             train up to step ``t``, then re-run that module of this (reference) model on the
-            candidate's inputs (:func:`tracer.localise.rerun_module`) and return the verdict
+            candidate's inputs (:func:`tracer.compare.rerun.rerun_module`) and return the verdict
             as ``result["rerun"]`` instead of training step ``t``; with ``"resync_from":
-            candidate trace``, step ``t`` starts from the candidate's state (:mod:`tracer.resync`).
+            candidate trace``, step ``t`` starts from the candidate's state (:mod:`tracer.capture.resync`).
         config_overrides: model sizes (``DEFAULT_MODEL`` keys) or ``TransformerConfig`` fields.
 
     Returns:

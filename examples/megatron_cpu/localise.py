@@ -6,14 +6,14 @@ When the first divergence of a comparison is a module's forward output, a single
 reference is rebuilt, trained up to that step (it is deterministic, so its state is the
 traced reference's; a re-synchronised one then loads the candidate's state of the step
 before, as the traced one did), and the module is re-run on the candidate's assembled inputs of that
-microbatch (:func:`tracer.localise.rerun_module`): the module's own difference, free of
+microbatch (:func:`tracer.compare.rerun.rerun_module`): the module's own difference, free of
 anything propagated, against a threshold from noise samples of the same re-run.
 """
 from __future__ import annotations
 
 from examples.gloo import run_gloo
-from tracer.check import Comparison, assembled_records
-from tracer.localise import LocalVerdict, split_inputs
+from tracer.compare.check import Comparison, assembled_records
+from tracer.compare.rerun import LocalVerdict, split_inputs
 
 __all__ = ["rerun_first_divergence"]
 
@@ -29,7 +29,7 @@ def _worker(rank: int, world: int, layout: dict, kw: dict, rerun: dict):
 def rerun_first_divergence(c: Comparison, *, seed: int, dtype: str, global_batch: int = 4,
                            noise_tp: int = 2, resync: bool = False) -> LocalVerdict | None:
     """Re-run the module of ``c``'s first divergence (None if it is not a forward output).
-    ``resync``: ``c``'s reference was re-synchronised to its candidate (:mod:`tracer.resync`), so the
+    ``resync``: ``c``'s reference was re-synchronised to its candidate (:mod:`tracer.capture.resync`), so the
     re-run's reference starts the step from the candidate's state too (its weights)."""
     f = c.first
     if f is None or f.phase != "fwd" or ".output" not in f.name:

@@ -1,10 +1,10 @@
 """Tracing inside the megatron CPU harness: the candidate's trace, and the reference's trace
-plus its noise samples (:class:`tracer.reference.NoiseSampler`, the thresholds' source).
+plus its noise samples (:class:`tracer.capture.noise_sampler.NoiseSampler`, the thresholds' source).
 
 This is also the reference recipe for a real megatron-core job (docs/tracing.md): one
-:class:`tracer.megatron.MegatronTracer` per rank, and on the reference a ``NoiseSampler``
+:class:`tracer.adapters.megatron.MegatronTracer` per rank, and on the reference a ``NoiseSampler``
 whose injector models the candidate's split reductions
-(:func:`tracer.megatron.reference_noise`).
+(:func:`tracer.adapters.megatron.reference_noise`).
 """
 from __future__ import annotations
 
@@ -14,10 +14,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from tracer.megatron import DEFAULT_CAPTURE, MegatronTracer, reference_noise
-from tracer.reference import NoiseSampler
-from tracer.resync import candidate_state, load_state
-from tracer.store import TraceWriter
+from tracer.adapters.megatron import DEFAULT_CAPTURE, MegatronTracer, reference_noise
+from tracer.capture.noise_sampler import NoiseSampler
+from tracer.capture.resync import candidate_state, load_state
+from tracer.trace.store import TraceWriter
 
 __all__ = ["TracedRun"]
 
@@ -28,7 +28,7 @@ class TracedRun:
     "capture": [...], "resync_from": dir}``; ``S > 0`` only on the single-process reference;
     ``background``: the writer writes each step on a thread of its own
     (``TraceWriter(background=True)``); ``resync_from``: the candidate's trace (captured with
-    ``optim``, full mode) this reference re-synchronises to at every step (:mod:`tracer.resync`)."""
+    ``optim``, full mode) this reference re-synchronises to at every step (:mod:`tracer.capture.resync`)."""
 
     def __init__(self, trace: dict, model: Any, config: Any, optimizer: Any, *,
                  layout: dict, dtype: str, num_microbatches: int, signature: str) -> None:
@@ -60,7 +60,7 @@ class TracedRun:
         with ``step_fn`` as ``forward_step_func`` and returns its microbatch losses; then the
         optimizer steps. Returns the grad norm and the clean run's microbatch losses.
         Re-synchronised (``resync_from``), step ``t >= 1`` starts from the candidate's state at the
-        end of step ``t - 1`` (:mod:`tracer.resync`)."""
+        end of step ``t - 1`` (:mod:`tracer.capture.resync`)."""
         if self.resync_from is not None and step > 0:
             load_state(self.optimizer, self.mt.canonical_params(), candidate_state(self.resync_from, step - 1))
         fwd = self.mt.wrap_forward_step(forward_step)

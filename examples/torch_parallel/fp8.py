@@ -390,7 +390,7 @@ class Fp8State(torch.nn.Module):
 
     A module so that the delayed-scaling state travels with the model: ``get_extra_state`` /
     ``set_extra_state`` (PyTorch's protocol for non-tensor module state, used by
-    ``state_dict`` and by :class:`tracer.reference.StateSnapshot`) copy the amax history,
+    ``state_dict`` and by :class:`tracer.capture.noise_sampler.StateSnapshot`) copy the amax history,
     running amax, scales and flags. The weight cache is not state: it is refilled on
     microbatch 0 of every step."""
 

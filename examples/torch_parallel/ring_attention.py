@@ -9,7 +9,7 @@ Layout (:func:`zigzag_indices`)
     The global sequence of length ``S`` is cut into ``2 cp`` equal chunks of ``c = S / (2 cp)``
     tokens; CP rank ``r`` holds chunks ``r`` and ``2 cp - 1 - r``, concatenated in that order,
     so every rank gets the same amount of causal work. Identical to the ``zigzag`` kind of
-    :func:`tracer.canonical.shard` on the sequence dim.
+    :func:`tracer.trace.canonical.shard` on the sequence dim.
 
 RoPE (:func:`rope_angles`, :func:`rope`)
     ``inv_freq_i = base^(-2i/dh)`` (``i < dh/2``), ``theta_{t,i} = pos_t inv_freq_i`` in fp32,
@@ -77,7 +77,7 @@ def zigzag_indices(seq_len: int, cp: int, cp_rank: int) -> torch.Tensor:
     """Global positions held by ``cp_rank``: chunks ``r`` and ``2 cp - 1 - r`` of ``2 cp``.
 
     ``seq_len`` must be divisible by ``2 cp`` (when ``cp > 1``); ``cp = 1`` gives
-    ``arange(seq_len)``. Equals ``tracer.canonical.shard(arange(seq_len), zigzag ShardDim)``.
+    ``arange(seq_len)``. Equals ``tracer.trace.canonical.shard(arange(seq_len), zigzag ShardDim)``.
     """
     if cp == 1:
         return torch.arange(seq_len, dtype=torch.long)

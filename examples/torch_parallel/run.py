@@ -11,10 +11,10 @@ A job is a dict ``{"layout": "tp2.cp2.dp1+sp", "dtype": "bf16", "seed": 0, "step
 "root": DIR, "bug": None, "noise_samples": 0, "noise_split": 1}``; every job of one launch has
 ``Layout.parse(layout).world`` equal to the launch's world size. A reference is a job whose
 layout has world 1: with ``noise_samples > 0`` its steps run through
-:class:`tracer.reference.NoiseSampler` with :func:`reference_noise`, which gives the
+:class:`tracer.capture.noise_sampler.NoiseSampler` with :func:`reference_noise`, which gives the
 thresholds. Each job returns ``{"root", "losses", "wall_s"}`` (rank 0's losses: the summed
 loss shares of its microbatches per step, a diagnostic). Re-synchronisation
-(:mod:`tracer.resync`): a candidate job with ``"optim": True`` also traces its optimizer state
+(:mod:`tracer.capture.resync`): a candidate job with ``"optim": True`` also traces its optimizer state
 and FP8 amax histories; a reference job with ``"resync_from": candidate root`` starts every step
 from that state.
 """
@@ -32,10 +32,10 @@ import torch
 from examples.gloo import released_groups
 from examples.torch_parallel.layout import Layout
 from examples.torch_parallel.train import Run, tracer_for
-from tracer.check import assembled_phases
-from tracer.reference import NoiseSampler
-from tracer.resync import candidate_state, load_state
-from tracer.store import TraceWriter
+from tracer.compare.check import assembled_phases
+from tracer.capture.noise_sampler import NoiseSampler
+from tracer.capture.resync import candidate_state, load_state
+from tracer.trace.store import TraceWriter
 
 __all__ = ["main", "reference_noise", "signature", "trace_worker", "trace_job"]
 
@@ -47,13 +47,13 @@ def signature(layout: Layout, dtype: str, seed: int) -> str:
 
 
 def reference_noise(split: int, dtype: str, layout: Layout) -> dict[str, Any]:
-    """:class:`~tracer.reference.NoiseSampler` keywords for a reference compared with
+    """:class:`~tracer.capture.noise_sampler.NoiseSampler` keywords for a reference compared with
     candidates whose reductions are split over up to ``split`` ranks in ``dtype``: the models
-    megatron's reference uses (:func:`tracer.megatron.injector_models`: split GEMMs and
+    megatron's reference uses (:func:`tracer.adapters.megatron.injector_models`: split GEMMs and
     parameter-gradient sums, variance-matched GEMMs and fp32 sums; bound-sized bf16 GEMM noise
     for a mixture of experts), and with FP8 the FP8 GEMM's autograd Function runs its
     backward under the injector."""
-    from tracer.megatron import injector_models
+    from tracer.adapters.megatron import injector_models
     kw: dict[str, Any] = {"injector_kwargs": injector_models(split, dtype, routed=layout.moe)}
     if layout.fp8:
         from examples.torch_parallel.fp8 import Fp8LinearFunction
@@ -98,7 +98,7 @@ def trace_job(job: dict[str, Any]) -> dict[str, Any]:
 
 def _resync(run: Run, candidate: str, step: int) -> None:
     """Start the next step of this (single-rank) run from the candidate's state at the end of
-    ``step``: parameters, Adam moments and FP8 delayed-scaling state (:mod:`tracer.resync`)."""
+    ``step``: parameters, Adam moments and FP8 delayed-scaling state (:mod:`tracer.capture.resync`)."""
     load_state(run.opt, list(run.model.named_parameters()), candidate_state(candidate, step))
     if run.fp8_states():
         fp8 = assembled_phases(candidate, step, ("fp8_scale", "state"))
@@ -123,8 +123,8 @@ def main(argv: list[str] | None = None) -> int:
     consistent, 1 divergent."""
     from examples.gloo import run_gloo
     from examples.torch_parallel.bugs import BUGS
-    from tracer.check import compare
-    from tracer.report import summary
+    from tracer.compare.check import compare
+    from tracer.report.summary import summary
     ap = argparse.ArgumentParser(prog="python -m examples.torch_parallel.run", description=main.__doc__)
     ap.add_argument("--layout", help="candidate layout, e.g. tp2.cp2.dp1+sp, tp1.cp1.dp2+fp8 (default with "
                                      "--bug: the layout the bug declares)")

@@ -14,7 +14,7 @@ already summed by the token dispatcher's backward). All factors are powers of tw
 scaling is exact and the reduced gradient is the single-device gradient up to summation
 order.
 
-Tracing (:func:`tracer_for`): :class:`tracer.pytorch.DDPTracer` with this harness's
+Tracing (:func:`tracer_for`): :class:`tracer.adapters.ddp.DDPTracer` with this harness's
 placements (:func:`module_placement`, :func:`param_placement`, :func:`loss_dims`) and
 activation gradients stored times ``1 / (dp * cp)``.
 """
@@ -29,10 +29,10 @@ from torch import nn
 from examples.torch_parallel import comm
 from examples.torch_parallel.layout import Groups, Layout
 from examples.torch_parallel.model import ModelConfig, TinyLM, shard_tokens
-from tracer.canonical import Placement, ShardDim
-from tracer.decisions import topk_consumer_meta, topk_meta
-from tracer.pytorch import DDPTracer
-from tracer.store import TraceWriter
+from tracer.trace.canonical import Placement, ShardDim
+from tracer.compare.decisions import topk_consumer_meta, topk_meta
+from tracer.adapters.ddp import DDPTracer
+from tracer.trace.store import TraceWriter
 
 __all__ = ["DTYPES", "GLOBAL_MICROBATCHES", "Run", "reduce_gradients", "tracer_for"]
 
@@ -252,12 +252,12 @@ def loss_dims(layout: Layout, groups: Groups) -> list[ShardDim]:
 
 
 def tracer_for(run: Run, writer: TraceWriter, optim: bool = False) -> DDPTracer:
-    """A :class:`~tracer.pytorch.DDPTracer` over ``run``'s model with the harness placements.
+    """A :class:`~tracer.adapters.ddp.DDPTracer` over ``run``'s model with the harness placements.
     Traced: every module's output and output gradient except the MoE router's (integer expert
     indices; its linear's logits are traced, marked as the scores of a top-k choice for the
-    checker, and the MoE layer's outputs as consumers of that choice, :mod:`tracer.decisions`), the losses, reduced gradients, updated parameters and,
+    checker, and the MoE layer's outputs as consumers of that choice, :mod:`tracer.compare.decisions`), the losses, reduced gradients, updated parameters and,
     with FP8, the scales (:meth:`Run.record_fp8_scales`); ``optim``: also the optimizer's state and
-    the FP8 amax histories, for a reference re-synchronised to this run (:mod:`tracer.resync`)."""
+    the FP8 amax histories, for a reference re-synchronised to this run (:mod:`tracer.capture.resync`)."""
     lay, grp = run.layout, run.groups
     params = dict(run.model.named_parameters())
     return DDPTracer(run.model, writer, num_microbatches=run.n_local, dp_rank=grp.dp_rank, dp=lay.dp,

@@ -3,7 +3,7 @@ r"""Expected rounding error of a sum evaluated in an unknown order: a variance, 
 The bounds of :mod:`.summation` hold for *any* order and with probability ``1 - p``; for fp32
 sums over random-sign data they are 100-1000x the error a kernel commits
 (:mod:`.matmul`, "Tightness"). A noise sample of a traced reference
-(:mod:`tracer.thresholds`) needs something else: noise whose *variance* is that of the
+(:mod:`tracer.compare.thresholds`) needs something else: noise whose *variance* is that of the
 legitimate difference between two runs, since its thresholds already carry the statistical
 factor. This module gives that variance.
 
@@ -72,7 +72,7 @@ difference is 0.73-0.78x the model's standard deviation for tp = 2 and 4, while 
 from the probabilistic bound of that difference (what the noise injector draws without a
 variance model) has 1.9-2.6x (tp = 2) and 3.7-4.1x (tp = 4) the model's standard deviation.
 The megatron and plain-PyTorch references use it for bf16 GEMMs except in models with top-k
-routing (:func:`tracer.megatron.injector_models`).
+routing (:func:`tracer.adapters.megatron.injector_models`).
 
 Where the model fails: stagnation
 ---------------------------------

@@ -21,14 +21,14 @@ hands them to the next samples:
   is computed afresh and replaces the stored one. A 0-d or 1-d operand of an op whose result has
   rows (a bias, a norm's weight, broadcast over the tokens) is matched through the result:
   such parameters start at 0 and move by Adam's ``lr sign(g)``, so in the samples' own
-  trajectories (:class:`~tracer.reference.NoiseSampler`) they differ by O(1) of themselves
+  trajectories (:class:`~tracer.capture.noise_sampler.NoiseSampler`) they differ by O(1) of themselves
   from the second step on, while what they add to the result, and to its amplitude, is what
   the result's fingerprint sees;
 * why that is sound: every amplitude is a sum or max of products of operand magnitudes
   (and their roundings), Lipschitz in the operands, so operands whose rows differ by a
   relative ``delta`` move it by at most about ``delta`` (less: a sum of magnitudes averages
   the changes of its terms). The noise ``U b`` has a standard deviation ``b / sqrt 3 >= 3.1x``
-  that of the legitimate difference (:mod:`tracer.thresholds`), so ``delta <= 0.25`` leaves
+  that of the legitimate difference (:mod:`tracer.compare.thresholds`), so ``delta <= 0.25`` leaves
   it above ``2.3x``. Measured on the bf16 demo: at step 0 the samples' rows differ by 1-3%;
   from step 1 on the weights differ by up to 10-20% of a row, as each sample has its own
   trajectory and Adam's first updates are ``lr sign(g)``, whose sign noise flips for every
@@ -57,7 +57,7 @@ hands them to the next samples:
   ``~1.5e-3``); the call then gets its own amplitude.
 
 Memory: the amplitudes of every modelled op call of one step (float64), about four times the
-step's activations and gradients in bf16; :class:`~tracer.reference.NoiseSampler` drops them
+step's activations and gradients in bf16; :class:`~tracer.capture.noise_sampler.NoiseSampler` drops them
 after the step. ``reuse_amplitudes=False`` there computes every sample's own.
 """
 from __future__ import annotations

@@ -10,10 +10,10 @@ divergence was carried in by its inputs (a difference too small to flag at the i
 one in an untraced input).
 
 The threshold of the local difference is derived like every other threshold
-(:mod:`tracer.thresholds`): the module is re-run ``samples`` times on the same inputs under
+(:mod:`tracer.compare.thresholds`): the module is re-run ``samples`` times on the same inputs under
 :class:`ttrace_num.propagate.noise.NoiseInjector` (forward only), and the F-test factor is
 applied to the samples' deviations. With ``block_scale`` (the default), as in
-:func:`tracer.check.compare`, the block-scale statistic (:mod:`tracer.blockscale`) is tested beside the norm, each at half
+:func:`tracer.compare.check.compare`, the block-scale statistic (:mod:`tracer.compare.blockscale`) is tested beside the norm, each at half
 the false-alarm probability, so that a module a comparison flagged for a rescaled output is
 judged by the same statistic here.
 """
@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from tracer.blockscale import block_scales, verdict_ratio
-from tracer.deviation import block_scale_applies
-from tracer.thresholds import DEFAULT_FALSE_ALARM, noise_threshold, unmodelled_threshold
+from tracer.compare.blockscale import block_scales, verdict_ratio
+from tracer.compare.deviation import block_scale_applies
+from tracer.compare.thresholds import DEFAULT_FALSE_ALARM, noise_threshold, unmodelled_threshold
 
 __all__ = ["LocalVerdict", "rerun_module", "split_inputs"]
 

@@ -7,16 +7,16 @@ perturbed by its probabilistic local bound for the difference between the refere
 the candidate's computation models), each traced into ``root/noise/sample_<i>``. Each sample is its own trajectory: it continues from its own model and
 optimizer state of the previous step, so its deviations include those propagated from
 earlier steps, as a candidate's do (or, with ``restart=True`` for a reference re-synchronised
-to its candidate at every step, :mod:`tracer.resync`, each sample starts every step from the
-clean state before it). :mod:`tracer.thresholds` turns the samples into
-per-tensor thresholds; :func:`tracer.check.compare` finds them under ``root/noise``.
+to its candidate at every step, :mod:`tracer.capture.resync`, each sample starts every step from the
+clean state before it). :mod:`tracer.compare.thresholds` turns the samples into
+per-tensor thresholds; :func:`tracer.compare.check.compare` finds them under ``root/noise``.
 
 The state of a step (model parameters and buffers, the optimizer's parameters -- the fp32 main
 parameters of a mixed-precision optimizer -- and its state, e.g. Adam's moments) is
 snapshotted and restored bit for bit around the samples. Cost: ``S`` extra steps per step,
 plus ``S + 1`` copies of the model and optimizer state in memory. By default a sample's trace
 stores, per tensor, the three moments of its deviation from the clean step and its block
-coordinates that the thresholds need instead of the tensor (:mod:`tracer.deviation`: at most
+coordinates that the thresholds need instead of the tensor (:mod:`tracer.compare.deviation`: at most
 152 bytes per tensor, one float64 copy of
 a step's traced tensors in memory while its samples run). The samples of a step share
 their noise amplitudes (:mod:`ttrace_num.propagate.memo`): the first sample computes each op's
@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from tracer.deviation import MomentAccumulator, MomentWriter
-from tracer.store import TraceWriter
+from tracer.compare.deviation import MomentAccumulator, MomentWriter
+from tracer.trace.store import TraceWriter
 
 __all__ = ["NoiseSampler", "StateSnapshot"]
 
@@ -88,8 +88,8 @@ class NoiseSampler:
     Args:
         model, optimizer: the reference's (wrapped or not).
         root: the reference's trace directory (samples go to ``root/noise/sample_<i>``).
-        layout, signature: as for the reference's :class:`~tracer.store.TraceWriter`.
-        samples: ``S`` (default 4; more samples estimate the spread better, see :mod:`tracer.thresholds`).
+        layout, signature: as for the reference's :class:`~tracer.trace.store.TraceWriter`.
+        samples: ``S`` (default 4; more samples estimate the spread better, see :mod:`tracer.compare.thresholds`).
         seed: noise seed (the thresholds are reproducible).
         injector_kwargs: passed to :class:`~ttrace_num.propagate.noise.NoiseInjector`, e.g.
             ``policy`` and ``grad_summation`` describing the candidate's split reductions.
@@ -100,12 +100,12 @@ class NoiseSampler:
             (:class:`~ttrace_num.propagate.memo.AmplitudeMemo`); False: each sample computes its own.
         store: ``"moments"`` (default): each sample's trace stores, per tensor, the three
             moments of its deviation from the clean step that the threshold needs
-            (:mod:`tracer.deviation`; needs the reference traced in full mode); ``"tensors"``:
+            (:mod:`tracer.compare.deviation`; needs the reference traced in full mode); ``"tensors"``:
             the sample's tensors whole (for analyses beyond the thresholds, e.g.
             ``bench.sensitivity``), S times the reference's trace on disk.
         restart: every sample starts each step from the state before the clean step instead of
             continuing its own trajectory: for a reference re-synchronised to its candidate at
-            every step (:mod:`tracer.resync`), whose thresholds then cover one step's round-off.
+            every step (:mod:`tracer.capture.resync`), whose thresholds then cover one step's round-off.
         clean_writer: the reference's own writer, when it writes in the background
             (``TraceWriter(background=True)``): the samples wait for the clean step to be on
             disk (moments are taken against it) before they run.
@@ -131,7 +131,7 @@ class NoiseSampler:
         #: the first one computes the amplitudes the later ones reuse
         self.sample_seconds: list[list[float]] = []
         self.moments = MomentAccumulator() if store == "moments" else None
-        #: read by the checker (tracer.check): a re-synchronised comparison's samples
+        #: read by the checker (tracer.compare.check): a re-synchronised comparison's samples
         run_meta = {"restarts_each_step": True} if self.restart else None
         self.writers = [TraceWriter(Path(root) / "noise" / f"sample_{i}", 0, 1, layout, signature, run_id=f"noise{i}",
                                     run_meta=run_meta)

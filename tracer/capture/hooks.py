@@ -1,7 +1,7 @@
 """Trace collection for plain PyTorch modules: hooks that copy tensors into a TraceWriter.
 
 :class:`Tracer` attaches hooks to the selected submodules of a model and hands
-copies of what flows through them to a :class:`tracer.store.TraceWriter`:
+copies of what flows through them to a :class:`tracer.trace.store.TraceWriter`:
 
 ==========  =======  ==========================================================
 capture     phase    record name (``M`` = canonical module name)
@@ -53,7 +53,7 @@ import torch
 from torch import nn
 
 from tracer.errors import TraceError
-from tracer.store import TraceWriter
+from tracer.trace.store import TraceWriter
 
 CAPTURES = ("fwd_in", "fwd_out", "bwd_out", "bwd_in", "grad", "param")
 
@@ -119,7 +119,7 @@ class Tracer:
     accelerator is staged (``TraceWriter``'s ``stage``) and read at the flush.
     ``module_meta``: ``fnmatch`` pattern on local module names -> extra meta for every record
     of a matching module, read back by the checker (e.g. ``{"*.router.linear":
-    tracer.decisions.topk_meta(2)}``: that module's output scores a top-2 choice).
+    tracer.compare.decisions.topk_meta(2)}``: that module's output scores a top-2 choice).
 
     Usage::
 

@@ -2,7 +2,7 @@ r"""The block-scale statistic: the part of a deviation that rescales the referen
 
 A wrong scale on one rank's shard (a gradient not averaged over its group, a loss or softmax
 scale applied twice, a wrong FP8 ``scale_inv``) changes the candidate along the reference
-itself: ``c = r + delta r`` on the shard ``S``. The norm statistic of :mod:`tracer.check`
+itself: ``c = r + delta r`` on the shard ``S``. The norm statistic of :mod:`tracer.compare.check`
 sees it only once ``delta ||r_S||`` exceeds the whole legitimate difference ``||d||``, most of
 which points elsewhere. This statistic looks along the reference only.
 
@@ -32,8 +32,8 @@ delta ||r_S|| / sqrt 2``.
 
 **Threshold.** The projection is linear, so the noise samples' projections ``y_s = P d_s``
 have the candidate's covariance in the projected space under the same equal-variance model
-as the norm statistic (:mod:`tracer.thresholds`), and
-:func:`~tracer.thresholds.deviation_threshold` applies to them unchanged: ``T = F
+as the norm statistic (:mod:`tracer.compare.thresholds`), and
+:func:`~tracer.compare.thresholds.deviation_threshold` applies to them unchanged: ``T = F
 sqrt(mean_s ||y_s||^2)``, ``F`` from ``F(n_eff, S n_eff)``, ``n_eff <= B``. With it, the
 checker tests both statistics on a tensor and gives each half its false-alarm probability
 (Bonferroni), so a correct candidate still passes a comparison with probability >= 0.99
@@ -45,7 +45,7 @@ under the model.
 (docs/sensitivity.md, bf16): 4 x 4 blocks flag a median 1.0x, 8 x 8 1.1x and 16 x 16 1.5x the
 smallest corruption of 4 x 4; 4 per dimension also matches TP and SP degrees up to 4 exactly.
 
-**Where it is not tested** (:func:`tracer.deviation.block_scale_applies`): the noise samples'
+**Where it is not tested** (:func:`tracer.compare.deviation.block_scale_applies`): the noise samples'
 perturbations are zero-mean by construction, so the statistic's model excludes a legitimate
 difference with a systematic part. One such difference is known and measured: sums over
 every token that a kernel accumulates in low precision. torch's CPU layer-norm backward adds
@@ -66,8 +66,8 @@ with it (largest 0.975, downstream of a top-k choice; ``docs/detection.md``).
 Not covered: a difference without this structure (a few wrong elements, a permutation, a
 wrong sign on part of a block) is seen by the norm statistic only, as before; and parameters
 stored narrower than fp32 are compared by their storage-rounding excess
-(:mod:`tracer.deviation`), which is not linear in the deviation: they get the norm statistic
-only (:func:`tracer.deviation.block_scale_applies`).
+(:mod:`tracer.compare.deviation`), which is not linear in the deviation: they get the norm statistic
+only (:func:`tracer.compare.deviation.block_scale_applies`).
 """
 from __future__ import annotations
 
@@ -76,8 +76,8 @@ from collections.abc import Callable
 
 import torch
 
-from tracer.difference import chunk_norms, combine_chunk_norms
-from tracer.thresholds import deviation_threshold
+from tracer.compare.difference import chunk_norms, combine_chunk_norms
+from tracer.compare.thresholds import deviation_threshold
 
 __all__ = ["BLOCKS_PER_DIM", "block_grid", "block_scales", "block_scales_and_norms", "scale_test", "verdict_ratio"]
 
@@ -107,7 +107,7 @@ def block_scales(ref: torch.Tensor, x: torch.Tensor, work: torch.dtype, *, devia
 def block_scales_and_norms(ref: torch.Tensor, cand: torch.Tensor, work: torch.dtype
                            ) -> tuple[torch.Tensor, tuple[float, float, float] | None]:
     """:func:`block_scales` of ``cand`` and, from the same pass over both tensors,
-    :func:`tracer.difference.difference_norms` (``None`` when a value is not finite: the
+    :func:`tracer.compare.difference.difference_norms` (``None`` when a value is not finite: the
     coordinates are then meaningless too). One read of the two tensors instead of two: the
     pass is bound by memory traffic on large tensors."""
     return _block_pass(ref, cand, work, False, norms=True)
@@ -169,7 +169,7 @@ def _row_chunks(rows: int, row_size: int, b0: int) -> list[tuple[int, int]]:
 def scale_test(sample_coordinates: list[torch.Tensor], coordinates: Callable[[], torch.Tensor],
                false_alarm: float, *, few_sources: bool = True) -> tuple[float, float]:
     """``(||y||, T)`` of the block-scale statistic: ``T`` from the noise samples' coordinates
-    (:func:`~tracer.thresholds.deviation_threshold` at per-tensor probability ``false_alarm``),
+    (:func:`~tracer.compare.thresholds.deviation_threshold` at per-tensor probability ``false_alarm``),
     ``y = coordinates()`` of the tested tensor, computed only when ``T > 0`` (else ``||y||`` is
     NaN: no sample moved the tensor along the reference, the norm statistic decides alone)."""
     threshold = deviation_threshold(sample_coordinates, false_alarm, few_sources=few_sources).threshold

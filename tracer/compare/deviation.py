@@ -6,9 +6,9 @@ positions are zeroed in both, and parameters stored narrower than fp32 count onl
 beyond one ulp (:func:`storage_rounding_excess`).
 
 **Moments instead of samples.** Of ``S`` noise samples ``n_s`` of a tensor, the threshold
-(:mod:`tracer.thresholds`) uses two statistics of the deviations ``d_s = n_s - ref``:
+(:mod:`tracer.compare.thresholds`) uses two statistics of the deviations ``d_s = n_s - ref``:
 ``z_s = ||d_s||^2`` per sample and ``||m||^2`` with ``m = sum_s d_s^2`` elementwise
-(:func:`~tracer.thresholds.moments_threshold`). A reference traced with
+(:func:`~tracer.compare.thresholds.moments_threshold`). A reference traced with
 ``NoiseSampler(store="moments")`` computes them while its samples run, and sample ``s``'s
 trace stores, per tensor, the float64 triple
 
@@ -24,14 +24,14 @@ trace stores, per tensor, the float64 triple
     \|m\|^2 = \sum_i \Big(\sum_s d_{s,i}^2\Big)^2 = \sum_s q_s + 2 \sum_s c_s .
 
 After the triple come, where the block-scale statistic applies (:func:`block_scale_applies`),
-the sample's block coordinates ``y_s`` (:func:`tracer.blockscale.block_scales`, at most 16 values),
+the sample's block coordinates ``y_s`` (:func:`tracer.compare.blockscale.block_scales`, at most 16 values),
 from which that statistic's threshold is computed as from whole samples. The thresholds are
 those of the whole samples up to rounding (the sums are float64), each sample's trace stays
 self-contained, and a comparison reads at most ``152 S`` bytes per tensor instead of ``S``
 tensors. :class:`MomentWriter` is that sample's writer.
 
 Stored whole, as before: the tensors the comparison needs elementwise, i.e. a module's top-k
-scores and the tensors that consume its choice (:mod:`tracer.decisions`), and the tensors the
+scores and the tensors that consume its choice (:mod:`tracer.compare.decisions`), and the tensors the
 clean step did not trace with the same shape (nothing to subtract).
 
 Cost: the clean step's tensor is read back from the reference's trace once per sample, and the
@@ -46,10 +46,10 @@ from typing import Any
 
 import torch
 
-from tracer.blockscale import block_grid, block_scales
-from tracer.decisions import TOPK_CONSUMER_META, TOPK_META
+from tracer.compare.blockscale import block_grid, block_scales
+from tracer.compare.decisions import TOPK_CONSUMER_META, TOPK_META
 from tracer.errors import TraceError
-from tracer.store import TraceReader, TraceWriter
+from tracer.trace.store import TraceReader, TraceWriter
 
 __all__ = ["DEVIATION_FIELD", "DeviationOf", "Key", "MomentAccumulator", "MomentWriter", "SampleMoments",
            "StorageRoundingExcess", "block_scale_applies", "combined_moments", "entry_key", "storage_rounding_allowance",
@@ -89,12 +89,12 @@ _PARAMETER_GRADIENT_PHASES = ("grad_local", "grad", "main_grad")
 
 
 def block_scale_applies(phase: str, ref: torch.Tensor) -> bool:
-    """Is the block-scale statistic (:mod:`tracer.blockscale`) tested on this tensor? Floating
+    """Is the block-scale statistic (:mod:`tracer.compare.blockscale`) tested on this tensor? Floating
     point, at least two blocks, not compared by its storage-rounding excess (which is not
     linear in the deviation), and not the gradient of a 1-D parameter (a norm's weight or bias,
     a linear bias): a sum over every token, which kernels may accumulate in low precision with
     a systematic bias that a TP/SP split changes and zero-mean noise does not sample
-    (:mod:`tracer.blockscale`, "Where it is not tested")."""
+    (:mod:`tracer.compare.blockscale`, "Where it is not tested")."""
     b0, b1 = block_grid(tuple(ref.shape))
     return (ref.is_floating_point() and b0 * b1 >= 2 and not stored_rounded(phase, ref.dtype)
             and not (phase in _PARAMETER_GRADIENT_PHASES and ref.dim() == 1))
@@ -270,7 +270,7 @@ class MomentWriter(TraceWriter):
         stored whole. The entry's statistics are those of what is stored."""
         meta = entry["meta"]
         if TOPK_META in meta or TOPK_CONSUMER_META in meta or not tensor.is_floating_point():
-            return entry, tensor  # compared elementwise (tracer.decisions), or exactly (integers)
+            return entry, tensor  # compared elementwise (tracer.compare.decisions), or exactly (integers)
         step, key = entry["step"], entry_key(entry)
         reader, clean = self._clean_entry(step, key)
         if clean is None or clean["shape"] != entry["shape"]:
@@ -293,7 +293,7 @@ class SampleMoments:
 
     z: list[float]   # ||d_s||^2 per sample
     m_sq: float      # ||sum_s d_s^2||^2
-    blocks: list[torch.Tensor] | None = None  # block coordinates y_s per sample (tracer.blockscale), if stored
+    blocks: list[torch.Tensor] | None = None  # block coordinates y_s per sample (tracer.compare.blockscale), if stored
 
 
 def combined_moments(entries: list[dict[str, Any]], stored: list[torch.Tensor], ref_entry: dict[str, Any],

@@ -1,7 +1,7 @@
 """Where an optimizer keeps a parameter's fp32 main copy and Adam moments, and its options.
 
-What capture ``optim`` records after each step (:class:`tracer.megatron.MegatronTracer`,
-:class:`tracer.pytorch.DDPTracer`) and what :func:`tracer.resync.load_state` writes back into a
+What capture ``optim`` records after each step (:class:`tracer.adapters.megatron.MegatronTracer`,
+:class:`tracer.adapters.ddp.DDPTracer`) and what :func:`tracer.capture.resync.load_state` writes back into a
 reference re-synchronised to its candidate; :func:`optimizer_options`, what capture ``options``
 records (the learning rate, eps, weight decay... every rank must apply the reference's; and
 the range of the per-parameter step counts, :func:`state_step_range`);
@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tracer.store import OPTIMIZER_STATE_PHASES
+from tracer.trace.store import OPTIMIZER_STATE_PHASES
 
 __all__ = ["ADAM_MOMENTS", "STEP_COUNT_OPTION", "cast_mismatches", "chained", "main_param_and_state", "optimizer_options", "param_groups",
            "state_step_range"]

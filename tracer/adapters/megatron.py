@@ -1,11 +1,11 @@
 """Tracing a megatron-core model: canonical names, shard placements and the grad/step hooks.
 
-:class:`MegatronTracer` wraps a :class:`tracer.hooks.Tracer` around the *unwrapped*
+:class:`MegatronTracer` wraps a :class:`tracer.capture.hooks.Tracer` around the *unwrapped*
 ``GPTModel`` (or any megatron-core module) of one rank and derives everything the
 checker needs from Megatron's own metadata, never from the user:
 
 * **names**: ``decoder.layers.<i>`` is renumbered to the global layer index with the
-  stage's offset (:func:`tracer.canonical.layer_offset`, which mirrors megatron-core's
+  stage's offset (:func:`tracer.trace.canonical.layer_offset`, which mirrors megatron-core's
   ``get_transformer_layer_offset``; virtual pipeline chunks included), so every layout
   uses the single-device names.  The tied output-layer weight of the last pipeline stage
   is the word-embedding weight of the first stage (``share_embeddings_and_output_weights``).
@@ -26,7 +26,7 @@ checker needs from Megatron's own metadata, never from the user:
   ``cast`` (how many model-parameter elements are not the cast of their fp32 main copy: 0 in a
   correct run, given the optimizer) and ``param`` (after ``optimizer.step()``); with capture
   ``optim`` also each param's fp32 main copy and Adam moments (``main_param``, ``exp_avg``,
-  ``exp_avg_sq``: :mod:`tracer.resync`).
+  ``exp_avg_sq``: :mod:`tracer.capture.resync`).
 
 Usage (inside the training loop of every rank; see docs/tracing.md)::
 
@@ -49,10 +49,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from tracer.canonical import Placement, ShardDim, layer_offset, renumber
-from tracer.hooks import Tracer
-from tracer.optim_state import cast_mismatches, main_param_and_state, optimizer_options
-from tracer.store import TraceWriter
+from tracer.trace.canonical import Placement, ShardDim, layer_offset, renumber
+from tracer.capture.hooks import Tracer
+from tracer.capture.optim_state import cast_mismatches, main_param_and_state, optimizer_options
+from tracer.trace.store import TraceWriter
 
 __all__ = ["ACTIVATION_RULES", "DEFAULT_CAPTURE", "MegatronTracer", "injector_models", "noise_policy",
            "parallel_layout", "reference_noise", "unwrap"]
@@ -128,22 +128,22 @@ class MegatronTracer:
             with its own offset.
         config: the ``TransformerConfig`` (``sequence_parallel``, ``num_layers``,
             ``finalize_model_grads_func`` are read; the latter is wrapped to record grads).
-        writer: this rank's :class:`~tracer.store.TraceWriter`.
+        writer: this rank's :class:`~tracer.trace.store.TraceWriter`.
         include, exclude: ``fnmatch`` patterns on local module names (as
-            :class:`~tracer.hooks.Tracer`; with several chunks, prefixed by the chunk's index,
+            :class:`~tracer.capture.hooks.Tracer`; with several chunks, prefixed by the chunk's index,
             ``"1.decoder.layers.0"``); no-op modules (identity ops, dropout) are excluded.
         capture: subset of ``fwd_in fwd_out bwd_out bwd_in grad_local grad options cast param optim``;
             ``options``: the numeric options of the optimizer's param groups (learning rate, eps,
-            weight decay...; :func:`tracer.optim_state.optimizer_options`, recorded only with
+            weight decay...; :func:`tracer.capture.optim_state.optimizer_options`, recorded only with
             ``optimizer``), replicated over every rank and compared exactly;
             ``cast``: after the optimizer step, the number of this rank's model-parameter
             elements that differ from the round-to-nearest cast of their fp32 main copy
-            (:func:`tracer.optim_state.cast_mismatches`; recorded only with ``optimizer``), one
+            (:func:`tracer.capture.optim_state.cast_mismatches`; recorded only with ``optimizer``), one
             int64 record ``optimizer.main_param_cast`` replicated over every rank, 0 in a correct
             run and compared exactly (its meta names the parameters that differ);
             ``optim``: after the optimizer step, each param's fp32 main copy and Adam moments
             (phases ``main_param``, ``exp_avg``, ``exp_avg_sq``; needs ``optimizer``), the state a
-            reference re-synchronised to this run loads (:mod:`tracer.resync`).
+            reference re-synchronised to this run loads (:mod:`tracer.capture.resync`).
         num_microbatches: microbatches per step on this rank (numbers the microbatches
             of DP rank ``r`` from ``r * num_microbatches``; every chunk sees them in order).
         vpp_chunk: the virtual pipeline chunk a single ``model`` is (None without VPP).
@@ -379,7 +379,7 @@ class MegatronTracer:
 
     def _record_cast_check(self) -> None:
         """Record how many of this rank's model-parameter elements differ from the cast of their
-        fp32 main copy (:func:`~tracer.optim_state.cast_mismatches`), summed over its params, as
+        fp32 main copy (:func:`~tracer.capture.optim_state.cast_mismatches`), summed over its params, as
         ``optimizer.main_param_cast`` (phase ``cast``): an int64 that is 0 on every rank of a
         correct run, hence replicated over all of them and compared exactly. Its meta gives the
         elements checked and the first parameters that differ, with their counts."""
@@ -397,7 +397,7 @@ class MegatronTracer:
     def _record_optimizer_state(self) -> None:
         """Record each parameter's fp32 main copy (phase ``main_param``) and Adam moments
         (``exp_avg``, ``exp_avg_sq``), in the param's own shape, or as this rank's flat range of
-        it under the distributed optimizer with DP > 1 (what :mod:`tracer.resync` loads)."""
+        it under the distributed optimizer with DP > 1 (what :mod:`tracer.capture.resync` loads)."""
         if self.optimizer is None:
             raise ValueError("capture 'optim' records the optimizer's state: pass MegatronTracer(..., optimizer=...)")
         for local, p in self.params.items():
@@ -494,7 +494,7 @@ def injector_models(split: int, dtype: str, routed: bool = False) -> dict[str, A
 
 
 def reference_noise(candidate_tp: int, dtype: str, routed: bool = False) -> dict[str, Any]:
-    """Keyword arguments of :class:`tracer.reference.NoiseSampler` for a megatron-core
+    """Keyword arguments of :class:`tracer.capture.noise_sampler.NoiseSampler` for a megatron-core
     reference compared against candidates with tensor parallelism up to ``candidate_tp`` in
     ``dtype``: :func:`injector_models` (``routed``: a mixture-of-experts model) and
     megatron's autograd Functions whose backward computes."""

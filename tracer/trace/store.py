@@ -48,8 +48,8 @@ from tracer.errors import (
     TraceError,
     TraceWriteError,
 )
-from tracer.safetensors_writer import write_safetensors
-from tracer.stats import STATS_CHUNK, PendingStats, tensor_stats, tensor_stats_many
+from tracer.trace.safetensors_writer import write_safetensors
+from tracer.trace.stats import STATS_CHUNK, PendingStats, tensor_stats, tensor_stats_many
 
 SCHEMA_VERSION = 1
 MODES = ("full", "stats")
@@ -57,8 +57,8 @@ KNOWN_PHASES = ("fwd", "bwd", "grad_local", "grad", "main_grad", "grad_norm", "o
                 "exp_avg", "exp_avg_sq", "state", "loss", "input")
 #: an optimizer's per-parameter state (capture ``optim``)
 OPTIMIZER_STATE_PHASES = ("main_param", "exp_avg", "exp_avg_sq")
-#: what a candidate records for a reference that re-synchronises to it (:mod:`tracer.resync`), never
-#: compared (see tracer.check): the optimizer's state and a run's own (phase ``state``, e.g. FP8
+#: what a candidate records for a reference that re-synchronises to it (:mod:`tracer.capture.resync`), never
+#: compared (see tracer.compare.check): the optimizer's state and a run's own (phase ``state``, e.g. FP8
 #: amax histories)
 CARRIED_PHASES = (*OPTIMIZER_STATE_PHASES, "state")
 #: records of an invariant that every correct run, reference or candidate, satisfies exactly
@@ -254,7 +254,7 @@ def _unlink_quietly(path: Path) -> None:
 class _Buffered(NamedTuple):
     """A traced tensor waiting for its step's flush: its manifest entry, what the tensor file
     stores for it (None in stats mode), what the flush takes its statistics of (a copy, or the
-    :class:`~tracer.stats.PendingStats` of a staged large tensor; None once they are in the
+    :class:`~tracer.trace.stats.PendingStats` of a staged large tensor; None once they are in the
     entry), and the event that marks a staged copy to the host done (None: nothing to wait for)."""
 
     entry: dict[str, Any]
@@ -295,16 +295,16 @@ class TraceWriter:
     are never modified. In ``mode="stats"`` only their statistics are kept: a tensor of at
     least ``STATS_CHUNK`` elements is reduced when added, where it is; a smaller one is copied
     on its device and reduced at the flush with the rest of its step
-    (``tracer.stats.tensor_stats_many``: a few torch calls per distinct size, where one
+    (``tracer.trace.stats.tensor_stats_many``: a few torch calls per distinct size, where one
     tensor at a time cost ~110 us each). Full mode takes every copy's statistics at the flush.
 
     ``run_meta``: JSON-serialisable facts about the run, written to ``run.json`` as ``meta``
-    (e.g. a noise sample's ``{"restarts_each_step": true}``, :class:`tracer.reference.NoiseSampler`).
+    (e.g. a noise sample's ``{"restarts_each_step": true}``, :class:`tracer.capture.noise_sampler.NoiseSampler`).
 
     ``stage``: a tensor on an accelerator is *staged*, so that ``add`` never waits for the
     device: in full mode its copy goes to pinned host memory with ``non_blocking=True`` and an
     event marks it done; in stats mode a large one is reduced by
-    :class:`~tracer.stats.PendingStats` (no copy kept; FP8, integer and bool tensors, which
+    :class:`~tracer.trace.stats.PendingStats` (no copy kept; FP8, integer and bool tensors, which
     torch has no reductions for, are reduced at once); the flush waits for both. The device
     thus holds no copy of the traced tensors: a stats-only trace of a step adds a few numbers
     and small tensors' copies per traced tensor to device memory, a full one nothing. CPU

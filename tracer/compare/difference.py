@@ -1,8 +1,8 @@
 """The norms of a candidate's difference from the reference, one cache-sized chunk at a time.
 
-:func:`difference_norms` gives what :func:`tracer.check.compare` reports for every tensor,
+:func:`difference_norms` gives what :func:`tracer.compare.check.compare` reports for every tensor,
 ``||cand - ref||_2``, ``||ref||_2`` and ``max |cand - ref|``, in the working dtype
-(:func:`tracer.deviation.work_dtype`). Whole-tensor arithmetic converts both tensors, forms the
+(:func:`tracer.compare.deviation.work_dtype`). Whole-tensor arithmetic converts both tensors, forms the
 difference and reduces it, each step through a fresh tensor as large as the traced one, which
 the allocator maps anew and the kernel page-faults in on every call. Chunks of ``CHUNK``
 elements (512 KiB of float32) stay in the core's cache and reuse the same few allocations.

@@ -11,7 +11,7 @@ exactly its chosen experts, so a changed choice moves whole entries of that row 
 on the plain-PyTorch MoE harness: a top-2 change at a score gap of 0.005 moved the row by
 3e-3, 30x more than any other row moved, and put the tensor at 1.13x its threshold).
 
-What the checker does (:func:`tracer.check.compare`), for a module whose records carry the
+What the checker does (:func:`tracer.compare.check.compare`), for a module whose records carry the
 meta :func:`topk_meta` (``{"topk": {"k": k, "dim": d}}``, set by the tracer's
 ``module_meta``):
 
@@ -151,4 +151,4 @@ def choice_changes(ref: torch.Tensor, cand: torch.Tensor, noisy: list[torch.Tens
     return ChoiceChange(changed, n_cand, unsampled=int((in_cand & ~in_noise).sum()), note=(
         f"{cand_part}; the noise samples' differs on {n_noise} token(s); the scores are within threshold, so "
         f"these near-ties are legitimate: {int(changed.sum())} token(s) are left out of this module's output "
-        "gradient and of the tensors that consume the choice (tracer.decisions)"))
+        "gradient and of the tensors that consume the choice (tracer.compare.decisions)"))

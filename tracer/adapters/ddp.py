@@ -1,6 +1,6 @@
 """Tracing a plain PyTorch data-parallel run (``DistributedDataParallel``) and DTensor placements.
 
-:class:`DDPTracer` wraps a :class:`tracer.hooks.Tracer` around the module under DDP and adds
+:class:`DDPTracer` wraps a :class:`tracer.capture.hooks.Tracer` around the module under DDP and adds
 what a data-parallel comparison needs (see docs/tracing-pytorch.md):
 
 * **microbatch numbers**: rank ``r``'s local microbatch ``i`` is the global microbatch
@@ -35,10 +35,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from tracer.canonical import Placement, ShardDim
-from tracer.hooks import Tracer
-from tracer.optim_state import main_param_and_state, optimizer_options
-from tracer.store import TraceWriter
+from tracer.trace.canonical import Placement, ShardDim
+from tracer.capture.hooks import Tracer
+from tracer.capture.optim_state import main_param_and_state, optimizer_options
+from tracer.trace.store import TraceWriter
 
 __all__ = ["DDPTracer", "ddp_placement", "dtensor_placement"]
 
@@ -58,7 +58,7 @@ class DDPTracer:
     Args:
         model: the model, wrapped in ``DistributedDataParallel`` or not (the wrapper's
             ``.module`` is traced, so names are those of the single-device model).
-        writer: this rank's :class:`~tracer.store.TraceWriter`.
+        writer: this rank's :class:`~tracer.trace.store.TraceWriter`.
         num_microbatches: microbatches per step on this rank.
         dp_rank, dp: this rank and the data-parallel size; default: the default process
             group's rank and size when one is initialised, else ``0`` and ``1``.
@@ -66,19 +66,19 @@ class DDPTracer:
             select the traced parameters too.
         capture: subset of ``fwd_in fwd_out bwd_out bwd_in grad options param optim``;
             ``options``: after the optimizer step, the numeric options of its param groups
-            (:func:`tracer.optim_state.optimizer_options`; needs ``optimizer``), replicated over
+            (:func:`tracer.capture.optim_state.optimizer_options`; needs ``optimizer``), replicated over
             every rank of the default process group and compared exactly; ``optim``: after
             the optimizer step, each param's main copy and Adam moments (phases ``main_param``,
             ``exp_avg``, ``exp_avg_sq``; needs ``optimizer``), for a reference re-synchronised to
-            this run (:mod:`tracer.resync`).
+            this run (:mod:`tracer.capture.resync`).
         placement_fn, param_placement, loss_placement, grad_scale: for models sharded beyond
             data parallelism (e.g. the tensor/context-parallel harness of
             ``examples/torch_parallel``): the placement of module records (as
-            :class:`~tracer.hooks.Tracer`), of a parameter and its gradient by local name
+            :class:`~tracer.capture.hooks.Tracer`), of a parameter and its gradient by local name
             (default: replicated over DP), of the per-microbatch loss (default: none, one
             rank holds it), and the activation-gradient scale (default ``1/dp``).
         module_meta: extra meta for the records of matching modules (as
-            :class:`~tracer.hooks.Tracer`; e.g. an MoE router's top-k, :mod:`tracer.decisions`).
+            :class:`~tracer.capture.hooks.Tracer`; e.g. an MoE router's top-k, :mod:`tracer.compare.decisions`).
         optimizer: the run's optimizer (captures ``optim`` and ``options``).
     """
 
@@ -119,7 +119,7 @@ class DDPTracer:
     @contextlib.contextmanager
     def step(self, step: int, writer: TraceWriter | None = None) -> Iterator[DDPTracer]:
         """Trace one optimizer step into ``writer`` (e.g. a noise sample's, see
-        :class:`tracer.reference.NoiseSampler`) or the tracer's own; flushes at the end."""
+        :class:`tracer.capture.noise_sampler.NoiseSampler`) or the tracer's own; flushes at the end."""
         self.tracer.writer = writer or self.writer
         try:
             with self.tracer.step(step):
@@ -172,8 +172,8 @@ class DDPTracer:
 def dtensor_placement(t: Any, group_names: Sequence[str] | None = None) -> dict[str, Any]:
     """Placement dict of this rank's local shard of a ``DTensor`` (``t.to_local()``).
 
-    One :class:`~tracer.canonical.ShardDim` per mesh dimension, in mesh order (DTensor
-    shards the outer mesh dimension first, the order :func:`tracer.canonical.assemble`
+    One :class:`~tracer.trace.canonical.ShardDim` per mesh dimension, in mesh order (DTensor
+    shards the outer mesh dimension first, the order :func:`tracer.trace.canonical.assemble`
     undoes in reverse): ``Shard(d)`` -> ``contiguous`` on dim ``d``, ``Replicate()`` ->
     ``replicated``, ``Partial()`` -> ``partial`` (a pending sum; other reduce ops are
     refused). Group names are the mesh's ``mesh_dim_names`` (or ``group_names``, or
@@ -181,7 +181,7 @@ def dtensor_placement(t: Any, group_names: Sequence[str] | None = None) -> dict[
     ``placements``, ``device_mesh`` (``size(i)``, ``get_coordinate()``) and ``shape``.
 
     Uneven shards: DTensor uses ``torch.chunk`` sizes (``ceil(n / size)`` per rank, the last
-    ranks shorter) while :func:`tracer.canonical.shard` uses ``torch.tensor_split``; assembly
+    ranks shorter) while :func:`tracer.trace.canonical.shard` uses ``torch.tensor_split``; assembly
     (concatenation) is the same, only re-sharding a full tensor differs.
     """
     from torch.distributed.tensor.placement_types import Partial, Replicate, Shard

@@ -1,17 +1,17 @@
 """Compare a candidate trace with its reference: per-tensor error, threshold, first divergence.
 
 :func:`compare` reads a reference trace (single device, with noise samples under
-``ref/noise/sample_*``, see :mod:`tracer.thresholds`) and a candidate trace (any layout),
+``ref/noise/sample_*``, see :mod:`tracer.compare.thresholds`) and a candidate trace (any layout),
 and for every tensor both traced, in the reference's execution order:
 
-1. assembles the candidate's shards into the full tensor (:func:`tracer.canonical.assemble`,
+1. assembles the candidate's shards into the full tensor (:func:`tracer.trace.canonical.assemble`,
    from the placements each rank wrote) and checks that replicated copies agree bitwise
    (they are computed from identical inputs by identical code on every rank);
 2. computes the error ``||cand - ref||_2`` (and the largest elementwise difference, with
    the candidate rank that holds it) and the threshold from the noise samples, and (unless
    ``block_scale=False``), on most floating-point tensors, the block-scale statistic: the
    part of the difference that rescales the reference block by block, which a wrong scale on
-   one shard changes (:mod:`tracer.blockscale`); each statistic then gets half the tensor's
+   one shard changes (:mod:`tracer.compare.blockscale`); each statistic then gets half the tensor's
    false-alarm probability;
 3. marks the tensor ``over`` when a statistic exceeds its threshold (``ratio`` is the
    larger of the ratios), ``nonfinite`` when the candidate has NaN/Inf where the
@@ -24,13 +24,13 @@ contributes, the reduced grads, the grad norm and the updated parameters). It is
 grad whose per-rank contributions agree is a wrong reduction; an updated parameter whose
 reduced grad agrees is a wrong optimizer step (:func:`localise`).
 
-What a candidate records for a reference that re-synchronises to it (:mod:`tracer.resync`) is
+What a candidate records for a reference that re-synchronises to it (:mod:`tracer.capture.resync`) is
 not compared: a run's own carried state (phase ``state``, e.g. FP8 amax histories, whose
 effect the scales and every quantised tensor show), and the optimizer's (phases
 ``main_param``, ``exp_avg``, ``exp_avg_sq``): Adam
 moves an element whose gradient is within round-off of zero by ``+-lr`` at random, and where
 the candidate's split reduction biases a gradient (the sum over every token of a 1-D parameter's
-gradient, :mod:`tracer.blockscale`) the noise samples do not sample those flips. The updated
+gradient, :mod:`tracer.compare.blockscale`) the noise samples do not sample those flips. The updated
 parameters themselves are compared (phase ``param``).
 """
 from __future__ import annotations
@@ -45,17 +45,17 @@ from typing import Any
 
 import torch
 
-from tracer.canonical import Placement, assemble, shard
-from tracer.decisions import TOPK_CONSUMER_META, TOPK_META, ChoiceChange, choice_changes, without_choices
-from tracer.blockscale import block_scales, block_scales_and_norms, verdict_ratio
-from tracer.deviation import (DEVIATION_FIELD, DeviationOf, Key, SampleMoments, block_scale_applies,
+from tracer.trace.canonical import Placement, assemble, shard
+from tracer.compare.decisions import TOPK_CONSUMER_META, TOPK_META, ChoiceChange, choice_changes, without_choices
+from tracer.compare.blockscale import block_scales, block_scales_and_norms, verdict_ratio
+from tracer.compare.deviation import (DEVIATION_FIELD, DeviationOf, Key, SampleMoments, block_scale_applies,
                               combined_moments, entry_key, storage_rounding_allowance, storage_rounding_excess,
                               stored_rounded, work_dtype)
-from tracer.difference import difference_norms
+from tracer.compare.difference import difference_norms
 from tracer.errors import IncomparableRunsError, TraceError
-from tracer.optim_state import STEP_COUNT_OPTION
-from tracer.store import CARRIED_PHASES, INVARIANT_PHASES, PRE_UPDATE_PHASES, TraceReader
-from tracer.thresholds import (DEFAULT_FALSE_ALARM, deviation_threshold, moments_threshold, noise_threshold,
+from tracer.capture.optim_state import STEP_COUNT_OPTION
+from tracer.trace.store import CARRIED_PHASES, INVARIANT_PHASES, PRE_UPDATE_PHASES, TraceReader
+from tracer.compare.thresholds import (DEFAULT_FALSE_ALARM, deviation_threshold, moments_threshold, noise_threshold,
                                unmodelled_threshold)
 
 __all__ = ["Comparison", "TensorCheck", "assembled_phases", "assembled_records", "compare", "few_sources", "localise",
@@ -87,7 +87,7 @@ class TensorCheck:
     factor: float = 0.0
     worst_ranks: list[int] = field(default_factory=list)  # candidate ranks holding the worst element
     note: str = ""
-    scale_error: float = math.nan      # ||y|| of the block-scale statistic (tracer.blockscale); NaN: not tested
+    scale_error: float = math.nan      # ||y|| of the block-scale statistic (tracer.compare.blockscale); NaN: not tested
     scale_threshold: float = math.nan  # its threshold
 
     @property
@@ -148,18 +148,18 @@ def noise_dirs(ref_root: str | Path) -> list[Path]:
 def samples_restart(noise: Iterable[TraceReader]) -> bool:
     """Whether every noise sample restarted each step from the reference's state, as those of
     a reference re-synchronised to its candidate do (``run.json`` meta ``restarts_each_step``,
-    written by :class:`tracer.reference.NoiseSampler`); False without samples."""
+    written by :class:`tracer.capture.noise_sampler.NoiseSampler`); False without samples."""
     readers = list(noise)
     return bool(readers) and all((r.run.get("meta") or {}).get("restarts_each_step") is True for r in readers)
 
 
 def few_sources(phase: str, restarted: bool, discrete: bool) -> bool:
     """Whether a tensor's threshold keeps the few-source cap on its degrees of freedom
-    (:mod:`tracer.thresholds`, ``few_sources``): everywhere but on the tensors a step records
-    before its optimizer update (:data:`~tracer.store.PRE_UPDATE_PHASES`) when the samples
+    (:mod:`tracer.compare.thresholds`, ``few_sources``): everywhere but on the tensors a step records
+    before its optimizer update (:data:`~tracer.trace.store.PRE_UPDATE_PHASES`) when the samples
     restart every step (:func:`samples_restart`) and the step makes no ``discrete`` choice.
     There every run starts the step from the same parameters, so no Adam flip can drive the
-    deviation. A top-k routing choice (:mod:`tracer.decisions`) is such a flip inside the step:
+    deviation. A top-k routing choice (:mod:`tracer.compare.decisions`) is such a flip inside the step:
     a sample that routes a near-tied token elsewhere deviates by that token alone. Measured:
     without this exception the re-synchronised matrix had 5 tensors over threshold (up to
     1.04x) in one MoE row, downstream of its routers."""
@@ -243,11 +243,11 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
                cand_entries: dict[int, dict[str, Any]], work: torch.dtype | None = None, *,
                block_scale: bool = True, few_sources: bool = True) -> TensorCheck:
     """The verdict on one tensor (module doc); ``noisy``: the noise samples, whole or as their
-    moments (:mod:`tracer.deviation`); ``few_sources``: the thresholds' degrees of freedom are
+    moments (:mod:`tracer.compare.deviation`); ``few_sources``: the thresholds' degrees of freedom are
     also capped by the samples' spread (:func:`few_sources`).
 
     Arithmetic runs in ``work``: by default float32 for tensors stored in fp32/bf16/fp16 (half
-    the memory traffic of float64, :func:`~tracer.deviation.work_dtype`), float64 otherwise,
+    the memory traffic of float64, :func:`~tracer.compare.deviation.work_dtype`), float64 otherwise,
     and float64 again when a float32 result overflows to infinity (squares beyond 3e38)."""
     phase, name, mb, call = key
     base = dict(step=step, phase=phase, name=name, microbatch=mb, call=call, index=int(ref_e["index"]),
@@ -339,7 +339,7 @@ def _check_one(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tensor, 
 
 
 def _check_invariant(base: dict[str, Any], error: float, ref_norm: float, notes: list[str]) -> TensorCheck:
-    """The verdict on a record of an invariant (:data:`~tracer.store.INVARIANT_PHASES`): over
+    """The verdict on a record of an invariant (:data:`~tracer.trace.store.INVARIANT_PHASES`): over
     when the candidate differs from the reference at all (threshold 0, no noise samples)."""
     status = "over" if error != 0 else ("replicas" if any("replicas over" in n for n in notes) else "ok")
     return TensorCheck(**base, status=status, error=error, threshold=0.0, ratio=0.0 if error == 0 else math.inf,
@@ -351,7 +351,7 @@ def _check_routed(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tenso
                   cand_entries: dict[int, dict[str, Any]],
                   changed: dict[tuple[int, str, int, int], ChoiceChange], block_scale: bool = True,
                   few_sources: bool = True) -> TensorCheck:
-    """:func:`_check_one` with top-k choices (:mod:`tracer.decisions`): a module's scores,
+    """:func:`_check_one` with top-k choices (:mod:`tracer.compare.decisions`): a module's scores,
     when within threshold, record in ``changed`` which tokens' choices differ; the scores'
     gradient and the tensors that consume the choice leave those tokens out (a consumer
     without token rows is ``unchecked`` when the candidate's choice changed)."""
@@ -367,7 +367,7 @@ def _check_routed(step: int, key: Key, ref_e: dict[str, Any], ref_t: torch.Tenso
                              [without_choices(n, mask) for n in noisy], false_alarm, cand_entries,
                              block_scale=block_scale, few_sources=few_sources)
             row.note = "; ".join(x for x in (row.note, f"{int(mask.sum())} token(s) left out: their top-k choice "
-                                                       "legitimately differs (tracer.decisions)") if x)
+                                                       "legitimately differs (tracer.compare.decisions)") if x)
             return row
         if change.in_candidate:
             row = _check_one(step, key, ref_e, ref_t, cand_t, notes, noisy, false_alarm, cand_entries,
@@ -392,7 +392,7 @@ def _downstream_of_choices(row: TensorCheck, meta: dict[str, Any],
                            changed: dict[tuple[int, str, int, int], ChoiceChange]) -> TensorCheck:
     """``row`` reported ``unchecked`` instead of ``over`` when it is a forward, backward or loss
     tensor of a step and microbatch in which the candidate changed a top-k choice that no noise
-    sample changed, recorded earlier in execution order (step 4 of :mod:`tracer.decisions`);
+    sample changed, recorded earlier in execution order (step 4 of :mod:`tracer.compare.decisions`);
     the scores and their consumers (meta) are compared as they are."""
     if row.status != "over" or row.phase not in ("fwd", "bwd", "loss") or TOPK_META in meta \
             or TOPK_CONSUMER_META in meta:
@@ -410,7 +410,7 @@ def _not_compared(row: TensorCheck, why: str) -> None:
     """Mark ``row`` ``unchecked`` because of a top-k choice, keeping its ratio in the note."""
     row.status = "unchecked"
     row.note = "; ".join(x for x in (row.note, f"not compared (ratio {row.ratio:.3g} for the record): {why} "
-                                               "(tracer.decisions)") if x)
+                                               "(tracer.compare.decisions)") if x)
 
 
 def _fits(mask: torch.Tensor, t: torch.Tensor) -> bool:
@@ -491,7 +491,7 @@ def _progress(total: int, enabled: bool):
 def _noise_samples(readers: list[TraceReader], entries: list[dict[str, Any] | None], step: int,
                    ref_e: dict[str, Any]) -> "list[torch.Tensor] | SampleMoments":
     """One tensor's noise samples: whole tensors, or their moments when the samples were stored
-    as moments (:mod:`tracer.deviation`); ``[]`` when a sample lacks the tensor."""
+    as moments (:mod:`tracer.compare.deviation`); ``[]`` when a sample lacks the tensor."""
     if not entries or any(e is None for e in entries):
         return []
     as_moments = [DEVIATION_FIELD in e for e in entries]
@@ -517,8 +517,8 @@ def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str
     restarted every step from the re-synchronised state (:func:`samples_restart`), the tensors
     recorded before each step's optimizer update get thresholds without the few-source cap on
     their degrees of freedom, unless the step makes a top-k choice (:func:`few_sources`,
-    :mod:`tracer.thresholds`).
-    ``block_scale``: also test the block-scale statistic (:mod:`tracer.blockscale`; where it
+    :mod:`tracer.compare.thresholds`).
+    ``block_scale``: also test the block-scale statistic (:mod:`tracer.compare.blockscale`; where it
     applies, each statistic at half a tensor's false-alarm probability); ``False``: the norm
     statistic alone (less sensitive to a wrongly scaled shard).
     Raises :class:`~tracer.errors.IncomparableRunsError` when the traces are of different

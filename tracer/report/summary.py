@@ -10,7 +10,7 @@ import json
 import math
 from pathlib import Path
 
-from tracer.check import Comparison
+from tracer.compare.check import Comparison
 
 __all__ = ["plot", "summary", "write_json"]
 

@@ -14,7 +14,7 @@ propagated through the real network on the real data".
 Statistic. Per tensor we compare Euclidean norms: the candidate's error
 ``e = ||cand - ref||_2`` against ``T = F * sqrt(mean_s ||d_s||_2^2)``. On most tensors the
 checker also applies the same construction to a second, linear statistic of the deviation, its block
-coordinates along the reference (:mod:`tracer.blockscale`), with the samples' coordinates in
+coordinates along the reference (:mod:`tracer.compare.blockscale`), with the samples' coordinates in
 place of ``d_s``; everything below holds for it unchanged.
 
 * Why the noise dominates a legitimate difference: ``b`` is a bound that a single
@@ -30,7 +30,7 @@ place of ``d_s``; everything below holds for it unchanged.
   corruption; in bf16, noise from the bound of an unsplit-vs-split GEMM has 1.9-4.1x the
   standard deviation of the difference. The references therefore use variance-matched noise
   (``variance_model`` of :class:`~ttrace_num.propagate.noise.NoiseInjector`, from
-  :func:`tracer.megatron.injector_models`) for the GEMMs in forward and backward, fp32 or
+  :func:`tracer.adapters.megatron.injector_models`) for the GEMMs in forward and backward, fp32 or
   bf16, and for fp32 parameter-gradient sums: noise with the *variance* of the difference
   between an unsplit and a split random-order run, the rounding of a bf16 result included
   (:mod:`ttrace_num.bounds.summation_variance`). That is the equal-variance case the factor
@@ -86,12 +86,12 @@ error/threshold of clean runs 0.6-1.0 from step 1 on, vs 0.2-0.8 at step 0).
 smaller of the two counts then often cuts ``n_eff`` by chance: at 16 blocks, ``F`` is 2.18 at
 ``n_eff = 16`` and 2.93 at 8. The checker drops it only where discrete flips cannot drive the
 deviation: in a comparison whose noise samples restart every step from the re-synchronised
-state (:mod:`tracer.resync`), the tensors computed before the step's optimizer update
-(:data:`tracer.store.PRE_UPDATE_PHASES`) share the candidate's parameters bitwise, and their
+state (:mod:`tracer.capture.resync`), the tensors computed before the step's optimizer update
+(:data:`tracer.trace.store.PRE_UPDATE_PHASES`) share the candidate's parameters bitwise, and their
 deviation is one step's round-off; the parameters after the update keep the estimate (an
 element whose gradient is within round-off of zero moves by +-lr in Adam's first steps), and
 so does every tensor of a step that makes top-k routing choices (a near-tied token routed
-elsewhere by one sample is a flip inside the step; :func:`tracer.check.few_sources`).
+elsewhere by one sample is a flip inside the step; :func:`tracer.compare.check.few_sources`).
 """
 from __future__ import annotations
 
@@ -155,7 +155,7 @@ def moments_threshold(z: list[float], m_sq: float, false_alarm: float = DEFAULT_
                       few_sources: bool = True) -> NoiseThreshold:
     """The threshold from the two moments it depends on: ``z_s = ||d_s||^2`` per sample and
     ``m_sq = ||m||^2``, ``m = sum_s d_s^2`` elementwise (module doc; a noise sample traced
-    as moments stores them instead of its tensor, :mod:`tracer.deviation`). ``few_sources``:
+    as moments stores them instead of its tensor, :mod:`tracer.compare.deviation`). ``few_sources``:
     ``n_eff`` is also capped by the moment estimate of the samples' spread (module doc)."""
     if not z:
         raise ValueError("need at least one noise sample")

@@ -10,12 +10,12 @@ must stand out of three steps' worth of drift.
 
 Re-synchronised, the reference starts every step ``t >= 1`` from the candidate's state at the
 end of step ``t - 1``: its fp32 main parameters and Adam moments, as the candidate traced them
-(capture ``optim`` of :class:`tracer.megatron.MegatronTracer` or
-:class:`tracer.pytorch.DDPTracer`, full mode), assembled to full
-tensors (:mod:`tracer.canonical`) and written into the reference's optimizer; the model's
+(capture ``optim`` of :class:`tracer.adapters.megatron.MegatronTracer` or
+:class:`tracer.adapters.ddp.DDPTracer`, full mode), assembled to full
+tensors (:mod:`tracer.trace.canonical`) and written into the reference's optimizer; the model's
 parameters are then cast from the main parameters as the optimizer does after a step. The noise
 samples of the step start from that same state
-(:class:`tracer.reference.NoiseSampler` with ``restart=True``), so each step's thresholds cover
+(:class:`tracer.capture.noise_sampler.NoiseSampler` with ``restart=True``), so each step's thresholds cover
 one step of round-off, and each step's comparison tests one step of the candidate. A bug still
 shows where it acts: the step's tensors it corrupts diverge; the next step starts from the
 candidate's (corrupted) state and tests that step's own computation.
@@ -37,10 +37,10 @@ from typing import Any
 
 import torch
 
-from tracer.check import assembled_phases
+from tracer.compare.check import assembled_phases
 from tracer.errors import MissingRankError, TraceError
-from tracer.optim_state import ADAM_MOMENTS, chained, main_param_and_state
-from tracer.store import OPTIMIZER_STATE_PHASES, TraceReader
+from tracer.capture.optim_state import ADAM_MOMENTS, chained, main_param_and_state
+from tracer.trace.store import OPTIMIZER_STATE_PHASES, TraceReader
 
 __all__ = ["STATE_PHASES", "ResyncWarning", "candidate_state", "load_state"]
 
@@ -78,9 +78,9 @@ class ResyncWarning(UserWarning):
 def load_state(optimizer: Any, params: Iterable[tuple[str, torch.Tensor]],
                state: dict[str, dict[str, torch.Tensor]]) -> list[str]:
     """Write ``state`` (from :func:`candidate_state`) into ``optimizer`` (megatron-core's or a
-    ``torch.optim`` one, :func:`tracer.optim_state.main_param_and_state`) whose model
+    ``torch.optim`` one, :func:`tracer.capture.optim_state.main_param_and_state`) whose model
     parameters are ``params`` ((canonical name, parameter) pairs, e.g.
-    :meth:`tracer.megatron.MegatronTracer.canonical_params`; a tied copy appears under its
+    :meth:`tracer.adapters.megatron.MegatronTracer.canonical_params`; a tied copy appears under its
     original's name), then cast the main parameters to the
     model's as the optimizer does after a step, and check the cast against the candidate's own
     model parameters (bitwise: the same rounding of the same fp32 values).

@@ -1,0 +1,1 @@
+"""Framework adapters: what an integration provides (tracer.adapters.base), one module per framework."""

@@ -1,0 +1,1 @@
+"""Comparing a candidate trace with its reference: plan, per-tensor verdict, thresholds, localisation."""

@@ -1,0 +1,1 @@
+"""Reports of a comparison: terminal summary, JSON, plot."""

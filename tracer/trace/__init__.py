@@ -1,0 +1,1 @@
+"""The trace: schema, storage, statistics, canonical mapping of shards."""
