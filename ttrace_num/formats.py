@@ -260,12 +260,20 @@ def _parse_custom(args: str) -> FloatFormat:
     keymap = {"e": "exponent_bits", "m": "mantissa_bits", "bias": "bias", "nan": "nan_encoding",
               "nan_encoding": "nan_encoding", "subnormals": "subnormals", "overflow": "overflow",
               "exponent_bits": "exponent_bits", "mantissa_bits": "mantissa_bits"}
+    def integer(field: str, v: str) -> int:
+        try:
+            return int(v)
+        except ValueError:
+            raise ValueError(f"custom format: {field} must be an integer, got {v!r} in 'custom({args})'") from None
+
     for part in filter(None, (p.strip() for p in args.split(","))):
         if "=" in part:
             k, v = (s.strip() for s in part.split("=", 1))
             if k not in keymap:
                 raise ValueError(f"unknown custom-format field {k!r}; use e=, m=, bias=, nan=, subnormals=, overflow=")
             key = keymap[k]
+            if key in kw:
+                raise ValueError(f"custom format: field {k!r} given twice in 'custom({args})'")
             if key in ("nan_encoding", "overflow"):
                 kw[key] = v
             elif key == "subnormals":
@@ -273,10 +281,14 @@ def _parse_custom(args: str) -> FloatFormat:
                     raise ValueError(f"subnormals must be true or false, got {v!r}")
                 kw[key] = v.lower() in ("1", "true", "yes")
             else:
-                kw[key] = int(v)
+                kw[key] = integer(k, v)
         else:
-            pos.append(int(part))
+            pos.append(integer("a positional field", part))
+    if len(pos) > 3:
+        raise ValueError(f"custom format takes at most 3 positional fields (e, m, bias), got {len(pos)} in 'custom({args})'")
     for k, v in zip(("exponent_bits", "mantissa_bits", "bias"), pos):
+        if k in kw:
+            raise ValueError(f"custom format: {k} given both by position and by name in 'custom({args})'")
         kw[k] = v
     if "exponent_bits" not in kw or "mantissa_bits" not in kw:
         raise ValueError(f"custom format needs e and m, e.g. 'custom(e=3, m=2)'; got 'custom({args})'")

@@ -13,6 +13,10 @@
 
 ``--resync``: the candidates run first, and each gets a reference of its own that starts every
 step from its state (:mod:`tracer.capture.resync`).
+
+``--out`` is emptied only if the demo created it (it holds the marker file ``.ttrace-demo``);
+an empty or absent directory is used, anything else (a directory of other files, a file, a
+symbolic link) is refused with exit status 2 (:func:`prepare_out`).
 """
 from __future__ import annotations
 
@@ -24,8 +28,29 @@ from pathlib import Path
 
 from examples.gloo import run_gloo
 from examples.megatron_cpu.bugs import BUGS
+from ttrace_num.cli import UsageError, int_at_least, run_cli
 
 CANDIDATE = {"tp": 2, "pp": 2, "dp": 1, "sp": True, "distopt": True}
+MARKER = ".ttrace-demo"
+
+
+def prepare_out(out: Path) -> None:
+    """Make ``out`` an empty directory marked as the demo's: create it, use it if empty, empty it
+    if the demo created it (it holds :data:`MARKER`); refuse (:class:`UsageError`) a symbolic
+    link, a file, or a directory with other content, which is never deleted."""
+    if out.is_symlink():
+        raise UsageError(f"--out {out} is a symbolic link; give a directory path that is not a link")
+    if out.exists():
+        if not out.is_dir():
+            raise UsageError(f"--out {out} exists and is not a directory")
+        if (out / MARKER).is_file():
+            shutil.rmtree(out)  # the demo's own output of an earlier run (rmtree does not follow links)
+        elif any(out.iterdir()):
+            raise UsageError(f"--out {out} exists and was not created by the demo (no {MARKER} in it); refusing to "
+                             "delete it: choose another --out, or empty or remove it yourself")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("created by examples/megatron_cpu/demo.py; the demo empties this directory when run "
+                              "again with the same --out\n")
 
 
 def _trace_worker(rank: int, world: int, jobs: list[dict]) -> list[dict]:
@@ -87,22 +112,34 @@ def trace_runs(out: Path, *, steps: int, seed: int, dtype: str, bug: str | None,
     return runs
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default="demo_out", help="directory for traces and reports (replaced)")
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=1234)
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="ttrace demo", description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="demo_out", help=f"directory for traces and reports (emptied if the demo created "
+                    f"it: it holds {MARKER}; else it must be empty or absent)")
+    ap.add_argument("--steps", type=int_at_least(1), default=3)
+    ap.add_argument("--seed", type=int_at_least(0), default=1234)
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
-    ap.add_argument("--noise-samples", type=int, default=4)
+    ap.add_argument("--noise-samples", type=int_at_least(1), default=4)
     ap.add_argument("--resync", action="store_true",
                     help="re-synchronise a reference to each candidate at every step (tracer.capture.resync)")
     ap.add_argument("--bug", default="sp_norm_grad_not_reduced", choices=sorted(BUGS),
                     help="catalogue bug injected into the second candidate run")
-    a = ap.parse_args(argv)
+    ap.set_defaults(func=run)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0 the clean candidate consistent and the buggy one divergent, 1 otherwise,
+    2 bad input, 3 internal error (:func:`ttrace_num.cli.run_cli`)."""
+    from tracer.errors import TraceError
+    return run_cli(build_parser(), argv, bad_input=(TraceError,))
+
+
+def run(a: argparse.Namespace) -> int:
     from tracer.compare.check import compare
     from tracer.report.summary import plot, summary, write_json
     out = Path(a.out)
-    shutil.rmtree(out, ignore_errors=True)
+    prepare_out(out)
     t0 = time.perf_counter()
     lay = ".".join(f"{k}{v}" for k, v in CANDIDATE.items() if k in ("tp", "pp", "dp")) + "+sp+distopt"
     print(f"ttrace demo: megatron-core GPT ({a.dtype}), reference (1 process) vs candidate {lay}, "

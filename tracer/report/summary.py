@@ -3,16 +3,34 @@
 The plot shows every compared tensor in the reference's execution order (x) against its
 error/threshold ratio (y, log scale), coloured by phase, with the threshold line at 1 and
 the first divergence marked: the picture of where a run starts to go wrong.
+
+Report files are written safely (docs/tracing.md, "Exit codes and error messages"): never
+through a symbolic link, never over a file this tool did not write (a JSON report carries
+``"generator": "ttrace compare"``, a PNG the same ``Software`` text chunk), atomically (a
+temporary file in the same directory, then ``os.replace``). :func:`check_report_path` says
+before a long comparison whether a path may be written; :class:`ReportPathError` says why not.
 """
 from __future__ import annotations
 
+import io
 import json
 import math
+import os
+import tempfile
 from pathlib import Path
 
 from tracer.compare.check import Comparison
+from tracer.errors import TraceError
 
-__all__ = ["plot", "summary", "write_json"]
+__all__ = ["GENERATOR", "ReportPathError", "check_report_path", "plot", "report_paths", "summary", "write_json"]
+
+GENERATOR = "ttrace compare"
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+class ReportPathError(TraceError):
+    """A report cannot be written where asked: a symbolic link, a directory, a file this tool did
+    not write, or a directory that does not exist or is not writable."""
 
 _PHASE_COLOURS = {"fwd": "tab:blue", "loss": "tab:purple", "bwd": "tab:orange", "grad_local": "tab:olive",
                   "grad": "tab:green", "grad_norm": "tab:brown", "options": "tab:gray", "param": "tab:red"}
@@ -52,8 +70,79 @@ def summary(c: Comparison, top: int = 5) -> str:
     return "\n".join(x for x in lines if x)
 
 
+def report_paths(prefix: str | Path) -> tuple[Path, Path]:
+    """The JSON and PNG paths of a report prefix (``out/r`` or ``out/r.json`` -> ``out/r.json``, ``out/r.png``)."""
+    p = str(prefix)
+    for suffix in (".json", ".png"):
+        p = p[:-len(suffix)] if p.endswith(suffix) else p
+    return Path(p + ".json"), Path(p + ".png")
+
+
+def _written_by_us(path: Path) -> bool:
+    """Whether ``path`` holds a report this tool wrote (its generator marker)."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return False
+    if data.startswith(_PNG_SIGNATURE):  # chunks: length, type, data, CRC; tEXt data is key NUL value
+        i = len(_PNG_SIGNATURE)
+        while i + 8 <= len(data):
+            n, kind = int.from_bytes(data[i:i + 4], "big"), data[i + 4:i + 8]
+            if kind == b"tEXt" and data[i + 8:i + 8 + n] == b"Software\0" + GENERATOR.encode():
+                return True
+            i += 12 + n
+        return False
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return False
+    return isinstance(obj, dict) and obj.get("generator") == GENERATOR
+
+
+def check_report_path(path: str | Path) -> None:
+    """Raise :class:`ReportPathError` unless a report may be written at ``path``: not a symbolic
+    link, not a directory, absent or a report this tool wrote, in a directory that exists or can
+    be created and is writable."""
+    path = Path(path)
+    if path.is_symlink():
+        raise ReportPathError("the report path is a symbolic link; refusing to write through it: remove the link "
+                              "or choose another --report", path=path)
+    if path.exists():
+        if not path.is_file():
+            raise ReportPathError("the report path exists and is not a regular file; choose another --report", path=path)
+        if not _written_by_us(path):
+            raise ReportPathError(f"a file that {GENERATOR} did not write is in the way (it lacks the report's "
+                                  f"generator marker); refusing to overwrite it: move it or choose another --report",
+                                  path=path)
+    parent = Path(os.path.abspath(path)).parent
+    existing = next(d for d in (parent, *parent.parents) if d.exists() or d.is_symlink())
+    if not existing.is_dir():
+        raise ReportPathError(f"cannot create the report's directory: {existing} is not a directory", path=path)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ReportPathError(f"the directory {existing} is not writable; choose another --report", path=path)
+
+
+def _write_report(path: Path, data: bytes) -> Path:
+    """Write ``data`` at ``path`` if :func:`check_report_path` allows: a temporary file in the same
+    directory, then ``os.replace`` (which replaces a name, never writes through a link)."""
+    check_report_path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")  # O_EXCL, never a link
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the report from its other readers
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        check_report_path(path)  # again: nothing may have appeared in the meantime
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return path
+
+
 def write_json(c: Comparison, path: str | Path) -> Path:
-    """The whole comparison (every tensor's row) as JSON; infinities are written as strings."""
+    """The whole comparison (every tensor's row) as JSON, with the ``"generator"`` marker;
+    infinities are written as strings. Written safely (module docstring)."""
     def clean(o):
         if isinstance(o, float) and not math.isfinite(o):
             return str(o)
@@ -62,19 +151,17 @@ def write_json(c: Comparison, path: str | Path) -> Path:
         if isinstance(o, list):
             return [clean(v) for v in o]
         return o
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(clean(c.to_dict()), indent=1))
-    return path
+    return _write_report(Path(path), json.dumps({"generator": GENERATOR, **clean(c.to_dict())}, indent=1).encode())
 
 
 def plot(c: Comparison, path: str | Path, title: str | None = None) -> Path:
-    """PNG of error/threshold along the execution order (see module docstring)."""
+    """PNG of error/threshold along the execution order, with the ``Software`` marker; written
+    safely (see module docstring)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    check_report_path(path)  # before the drawing
     fig, ax = plt.subplots(figsize=(11, 4))
     xs = range(len(c.rows))
     floor = 1e-4
@@ -96,6 +183,7 @@ def plot(c: Comparison, path: str | Path, title: str | None = None) -> Path:
     ax.set_title(title or f"{c.verdict}: {Path(c.candidate).name} vs {Path(c.reference).name}")
     ax.legend(fontsize=7, ncol=4, loc="upper left")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, metadata={"Software": GENERATOR})
     plt.close(fig)
-    return path
+    return _write_report(path, buf.getvalue())

@@ -173,15 +173,20 @@ def load(path: str | Path) -> Calibration:
         d = json.loads(Path(path).read_text())
     except FileNotFoundError:
         raise CalibrationError(f"calibration file {str(path)!r} not found") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CalibrationError(f"calibration file {str(path)!r} is not JSON ({e})") from None
-    if d.get("schema_version") != SCHEMA_VERSION:
-        raise CalibrationError(f"{path}: schema_version {d.get('schema_version')!r}, this ttrace_num reads "
-                               f"{SCHEMA_VERSION}")
-    ops = {k: OpCalibration(**{f: v[f] for f in OpCalibration.__dataclass_fields__}) for k, v in d["ops"].items()}
-    return Calibration(format=d["format"], fmt_spec=d["fmt_spec"], recipe=d["recipe"], compute_fmt=d["compute_fmt"],
-                       version=d["ttrace_num_version"], seed=d["seed"], ops=ops, skipped=d.get("skipped", {}),
-                       source=str(path))
+    except OSError as e:
+        raise CalibrationError(f"cannot read calibration file {str(path)!r}: {e.strerror or e}") from None
+    if not isinstance(d, dict) or d.get("schema_version") != SCHEMA_VERSION:
+        raise CalibrationError(f"{path}: schema_version {d.get('schema_version') if isinstance(d, dict) else None!r}, "
+                               f"this ttrace_num reads {SCHEMA_VERSION}: not a calibration file of this version")
+    try:
+        ops = {k: OpCalibration(**{f: v[f] for f in OpCalibration.__dataclass_fields__}) for k, v in d["ops"].items()}
+        return Calibration(format=d["format"], fmt_spec=d["fmt_spec"], recipe=d["recipe"], compute_fmt=d["compute_fmt"],
+                           version=d["ttrace_num_version"], seed=d["seed"], ops=ops, skipped=d.get("skipped", {}),
+                           source=str(path))
+    except (KeyError, TypeError, AttributeError) as e:
+        raise CalibrationError(f"{path}: not a complete calibration file (bad or missing field {e})") from None
 
 
 # ----------------------------------------------------------------------------- formats
