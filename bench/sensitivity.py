@@ -19,7 +19,7 @@
 
 The methods (see :func:`peer_flags`):
 
-* ``ours``: the tensor's verdict from :func:`tracer.compare.check._check_one` (error
+* ``ours``: the tensor's verdict from :func:`tracer.compare.judge.check_tensor` (error
   ``||cand - ref||_2`` over the noise-sample threshold), with the per-tensor false-alarm
   rate of the whole clean comparison;
 * ``assert_close``: :func:`torch.testing.assert_close` with its defaults for the stored dtype
@@ -51,6 +51,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from tracer.trace.schema import Entry, RecordKey
 
 __all__ = [
     "METHODS",
@@ -233,11 +235,11 @@ class Case:
     """A target tensor with everything needed to re-check it under corruption."""
 
     target: Target
-    ref_e: dict[str, Any]
+    ref_e: Entry
     ref_t: torch.Tensor
     noisy: list[torch.Tensor]
     shards: dict[int, torch.Tensor]
-    entries: dict[int, dict[str, Any]]
+    entries: dict[int, Entry]
     rank: int                       # the candidate rank whose shard is corrupted
     per_tensor: float               # our per-tensor false-alarm rate
     few_sources: bool               # tracer.compare.check.few_sources for this tensor, as compare decides it
@@ -251,17 +253,17 @@ class Case:
         shards = dict(self.shards)
         if delta:
             shards[self.rank] = corrupt_shard(shards[self.rank], delta)
-        full, report = assemble(shards, {r: e["placement"] or {"dims": []} for r, e in self.entries.items()},
+        full, report = assemble(shards, {r: e.placement for r, e in self.entries.items()},
                                 name=self.target.name)
         notes = [f"replicas over {d.group} differ" for d in report.replicas if not d.equal]
         return full, notes
 
     def ours(self, delta: float, block_scale: bool = True):
-        """Our verdict (a :class:`tracer.compare.check.TensorCheck`) on the corrupted candidate."""
-        from tracer.compare.check import _check_one
+        """Our verdict (a :class:`tracer.compare.judge.TensorCheck`) on the corrupted candidate."""
+        from tracer.compare.judge import check_tensor
         full, notes = self.full(delta)
         t = self.target
-        return _check_one(t.step, (t.phase, t.name, t.microbatch, t.call), self.ref_e, self.ref_t, full, notes,
+        return check_tensor(t.step, RecordKey(t.phase, t.name, t.microbatch, t.call), self.ref_e, self.ref_t, full, notes,
                           self.noisy, self.per_tensor, self.entries, block_scale=block_scale,
                           few_sources=self.few_sources)
 
@@ -289,8 +291,8 @@ class Case:
     def region(self) -> torch.Tensor | None:
         """Boolean mask of the corrupted shard's elements in the full tensor (None when the
         shard is a pending sum, which covers no region of its own)."""
-        from tracer.trace.canonical import Placement, shard
-        pl = Placement.from_dict(self.entries[self.rank]["placement"] or {"dims": []})
+        from tracer.trace.canonical import shard
+        pl = self.entries[self.rank].placement
         if any(d.kind == "partial" for d in pl.dims):
             return None
         ids = torch.arange(self.ref_t.numel(), dtype=torch.int64).reshape(self.ref_t.shape)
@@ -335,25 +337,20 @@ class Result:
         return self.delta[peer] / self.delta[base]
 
 
-def _index(reader, step: int) -> dict[tuple, dict[int, dict[str, Any]]]:
-    from tracer.compare.check import _index_by_key
-    return _index_by_key(reader, step)
-
-
 def load_case(ref_root: Path, cand_root: Path, target: Target, per_tensor: float, num_layers: int,
               eps: float) -> Case:
     """Everything :func:`tracer.compare.check.compare` would read for ``target`` (read-only)."""
-    from tracer.compare.check import few_sources, makes_topk_choice, noise_dirs, samples_restart
+    from tracer.compare.check import few_sources, makes_topk_choice, noise_dirs, records_by_key, samples_restart
     from tracer.trace.store import TraceReader
     ref, cand = TraceReader(ref_root), TraceReader(cand_root)
-    key = (target.phase, target.name, target.microbatch, target.call)
-    ref_e = _index(ref, target.step)[key][0]
-    entries = _index(cand, target.step)[key]
+    key = RecordKey(target.phase, target.name, target.microbatch, target.call)
+    ref_e = records_by_key(ref, target.step)[key][0]
+    entries = records_by_key(cand, target.step)[key]
     readers = [TraceReader(d) for d in noise_dirs(ref_root)]
-    noisy = [n.load(target.step, 0, _index(n, target.step)[key][0]["key"]) for n in readers]
+    noisy = [n.load(target.step, 0, records_by_key(n, target.step)[key][0].key) for n in readers]
     layer = layer_index(target.name, num_layers)
-    return Case(target, ref_e, ref.load(target.step, 0, ref_e["key"]), noisy,
-                {r: cand.load(target.step, r, e["key"]) for r, e in entries.items()}, entries, min(entries),
+    return Case(target, ref_e, ref.load(target.step, 0, ref_e.key), noisy,
+                {r: cand.load(target.step, r, e.key) for r, e in entries.items()}, entries, min(entries),
                 per_tensor, few_sources(target.phase, samples_restart(readers), makes_topk_choice(ref, target.step)),
                 depth_bound(layer, num_layers, eps), layer)
 
@@ -368,7 +365,7 @@ def measure(case: Case, dtype: str, clean_row) -> Result:
     full, _ = case.full(0.0)
     sn = float(torch.linalg.vector_norm(case.shards[case.rank].double()))
     fn = float(torch.linalg.vector_norm(full.double()))
-    res = Result(dtype, case.target, case.rank, str(case.ref_e["dtype"]), list(case.ref_t.shape),
+    res = Result(dtype, case.target, case.rank, str(case.ref_e.dtype), list(case.ref_t.shape),
                  sn / fn if fn else 0.0, smallest_delta(case.cast_changes, lo=1e-9), clean_ours.threshold,
                  clean_ours.ratio, case.bound)
     region = case.region()
@@ -424,13 +421,13 @@ def clean_census(root: Path, dtype: str, log=print
     """How many tensors of the whole clean comparison each published peer flags, per phase.
 
     Every floating-point tensor that :func:`tracer.compare.check.compare` checks (same keys, same
-    assembled candidate tensors via :func:`tracer.compare.check._full`) is given to every peer rule.
+    assembled candidate tensors via :func:`tracer.compare.check.assembled_record`) is given to every peer rule.
     Returns ``{phase: {"tensors": n, peer: flagged, ...}}`` plus an ``"all"`` row, and per phase
     ``(k0, tensor)``: the smallest ``k`` of the depth rule that flags none of that phase's
     tensors (the largest ``(||cand - ref|| / ||ref||) / (C^(L+1-l) eps)``), and the tensor
     that sets it.
     """
-    from tracer.compare.check import _full, _index_by_key
+    from tracer.compare.check import assembled_record, records_by_key
     from tracer.trace.store import TraceReader
     t = time.perf_counter()
     ref, cand = TraceReader(root / "ref"), TraceReader(root / "cand_clean")
@@ -438,14 +435,14 @@ def clean_census(root: Path, dtype: str, log=print
     out: dict[str, dict[str, int]] = {}
     k0: dict[str, tuple[float, str]] = {}
     for s in sorted(set(ref.steps()) & set(cand.steps())):
-        ri, ci = _index_by_key(ref, s), _index_by_key(cand, s)
+        ri, ci = records_by_key(ref, s), records_by_key(cand, s)
         for k, ents in ri.items():
             if k not in ci:
                 continue
             r = ref.load(s, 0, ents[0]["key"])
             if not r.is_floating_point():
                 continue
-            c, _ = _full(cand, s, ci[k], k[1])
+            c, _ = assembled_record(cand, s, ci[k], k.name)
             if tuple(c.shape) != tuple(r.shape):
                 continue
             bound = depth_bound(layer_index(k[1], num_layers), num_layers, eps)
@@ -505,8 +502,7 @@ def validate(root: Path, res: Result, factor: float = 1.05) -> tuple[str, str]:
                 t = super().load(step, rank, key)
                 e = self.entry(step, rank, key)
                 if (Path(self.root).resolve() == cand_root and step == tg.step and rank == res.rank
-                        and e["phase"] == tg.phase and e["name"] == tg.name and int(e["microbatch"]) == tg.microbatch
-                        and int(e["meta"].get("call", 0)) == tg.call):
+                        and e.record_key == (tg.phase, tg.name, tg.microbatch, tg.call)):
                     t = corrupt_shard(t, self.scale)
                 return t
 

@@ -206,11 +206,11 @@ def _dir_bytes(root: Path, *, noise: bool, steps: int | None = None) -> int:
 PROFILE_PARTS = (
     ("compare (total)", "tracer/compare/check.py", "compare"),
     ("validate (manifests + safetensors headers)", "tracer/trace/store.py", "validate"),
-    ("index entries by key (manifests)", "tracer/compare/check.py", "_index_by_key"),
+    ("index entries by key (manifests)", "tracer/compare/check.py", "records_by_key"),
     ("load tensors (TraceReader.load)", "tracer/trace/store.py", "load"),
-    ("assemble candidate shards (_full, incl. its loads)", "tracer/compare/check.py", "_full"),
+    ("assemble candidate shards (assembled_record, incl. its loads)", "tracer/compare/check.py", "assembled_record"),
     ("canonical.assemble", "tracer/trace/canonical.py", "assemble"),
-    ("check one tensor (_check_one)", "tracer/compare/check.py", "_check_one"),
+    ("check one tensor (check_tensor)", "tracer/compare/judge.py", "check_tensor"),
     ("noise samples' moments (combined_moments)", "tracer/compare/deviation.py", "combined_moments"),
     ("noise threshold (moments_threshold, incl. F quantile)", "tracer/compare/thresholds.py", "moments_threshold"),
     ("F quantile (scipy.special.fdtri)", "tracer/compare/thresholds.py", "_f_quantile"),
@@ -422,8 +422,8 @@ def main(argv: list[str] | None = None) -> int:
         total, parts, top = prof
         md += [(f"\n### Where compare's time goes ({a.profile_model} model, cProfile, {total:.2f} s under the "
                 "profiler)\n\n"
-               "Cumulative times; the rows nest (`_check_one` contains `moments_threshold`, which contains "
-               "the F quantile; `_full` contains its loads; the noise samples are stored as moments, "
+               "Cumulative times; the rows nest (`check_tensor` contains `moments_threshold`, which contains "
+               "the F quantile; `assembled_record` contains its loads; the noise samples are stored as moments, "
                "`tracer/compare/deviation.py`).\n"),
                _table(["part", "cumulative s", "share", "calls"],
                       [[lbl, f"{c:.2f}", f"{c / total:.0%}", str(n)] for lbl, c, n in parts]),

@@ -10,7 +10,9 @@ import torch
 
 import tracer.compare.blockscale as blockscale
 from tracer.compare.blockscale import block_grid, block_scales, block_scales_and_norms
-from tracer.compare.check import _check_one
+from tracer.compare.judge import check_tensor
+from tracer.trace.canonical import Placement
+from tracer.trace.schema import Entry, RecordKey
 from tracer.compare.deviation import block_scale_applies
 from tracer.compare.difference import difference_norms
 from tracer.compare.thresholds import deviation_threshold
@@ -120,8 +122,9 @@ def test_false_alarm_rate_under_the_model():
 
 
 def _row(ref, cand, noisy, false_alarm=1e-4, block_scale=True):
-    ref_e = {"index": 0, "meta": {}, "dtype": "float64"}
-    return _check_one(0, ("fwd", "t", 0, 0), ref_e, ref, cand, [], noisy, false_alarm, {}, block_scale=block_scale)
+    ref_e = Entry(key="fwd/t/mb0/i0", name="t", phase="fwd", step=0, microbatch=0, index=0, dtype="float64",
+                  shape=tuple(ref.shape), placement=Placement(()), meta={}, stats=None)
+    return check_tensor(0, RecordKey("fwd", "t", 0, 0), ref_e, ref, cand, [], noisy, false_alarm, {}, block_scale=block_scale)
 
 
 def test_the_check_flags_a_scaled_shard_the_norm_misses():

@@ -416,5 +416,5 @@ def test_through_trace_store(tmp_path):
     r = TraceReader(tmp_path)
     entries = {k: r.entry(0, k, key) for k in range(2)}
     out, _ = assemble({k: r.load(0, k, key) for k in range(2)},
-                      {k: e["placement"] for k, e in entries.items()}, name=entries[0]["name"])
+                      {k: e.placement for k, e in entries.items()}, name=entries[0].name)
     assert torch.equal(out, full)

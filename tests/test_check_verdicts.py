@@ -5,15 +5,18 @@ import math
 import pytest
 import torch
 
-from tracer.compare.check import _check_one
+from tracer.compare.judge import check_tensor
+from tracer.trace.canonical import Placement
+from tracer.trace.schema import Entry, RecordKey
 
-ENTRY = {"index": 0, "meta": {"module": "m"}, "dtype": "float32"}
-KEY = ("fwd", "m.output", 0, 0)
+ENTRY = Entry(key="fwd/m.output/mb0/i0", name="m.output", phase="fwd", step=0, microbatch=0, index=0, dtype="float32",
+              shape=(64,), placement=Placement(()), meta={"module": "m"}, stats=None)
+KEY = RecordKey("fwd", "m.output", 0, 0)
 
 
 def _verdict(ref: torch.Tensor, cand: torch.Tensor):
     noisy = [ref + 1e-3 * torch.randn(ref.shape, generator=torch.Generator().manual_seed(i)) for i in range(4)]
-    return _check_one(0, KEY, ENTRY, ref, cand, [], noisy, 1e-2, {})
+    return check_tensor(0, KEY, ENTRY, ref, cand, [], noisy, 1e-2, {})
 
 
 def test_finite_tensors_get_a_threshold():
@@ -44,7 +47,7 @@ def test_the_same_nonfinite_pattern_in_both_is_compared_on_the_rest():
 def test_float64_values_whose_sum_overflows_are_finite():
     ref = torch.full((4,), 1e308, dtype=torch.float64)
     assert math.isinf(float(ref.sum()))
-    row = _check_one(0, KEY, ENTRY, ref, ref.clone(), [], [ref.clone()] * 4, 1e-2, {})
+    row = check_tensor(0, KEY, ENTRY, ref, ref.clone(), [], [ref.clone()] * 4, 1e-2, {})
     assert row.status == "ok"
 
 
@@ -53,8 +56,8 @@ def test_float32_arithmetic_agrees_with_float64():
     ref = torch.randn(4096, generator=gen).bfloat16()
     cand = (ref.float() + 0.01 * torch.randn(4096, generator=gen)).bfloat16()
     noisy = [(ref.float() + 0.01 * torch.randn(4096, generator=gen)).bfloat16() for _ in range(4)]
-    fast = _check_one(0, KEY, ENTRY, ref, cand, [], noisy, 1e-2, {})
-    exact = _check_one(0, KEY, ENTRY, ref, cand, [], noisy, 1e-2, {}, torch.float64)
+    fast = check_tensor(0, KEY, ENTRY, ref, cand, [], noisy, 1e-2, {})
+    exact = check_tensor(0, KEY, ENTRY, ref, cand, [], noisy, 1e-2, {}, torch.float64)
     assert fast.error == pytest.approx(exact.error, rel=1e-5)
     assert fast.threshold == pytest.approx(exact.threshold, rel=1e-5)
     assert fast.n_eff == pytest.approx(exact.n_eff, rel=1e-4)
@@ -64,7 +67,7 @@ def test_a_float32_overflow_falls_back_to_float64():
     ref = torch.tensor([3e38, 1.0, 2.0], dtype=torch.float32)
     cand = ref.clone()
     cand[0] = -3e38  # the difference overflows float32, not float64
-    row = _check_one(0, KEY, ENTRY, ref, cand, [], [ref.clone()] * 4, 1e-2, {})
+    row = check_tensor(0, KEY, ENTRY, ref, cand, [], [ref.clone()] * 4, 1e-2, {})
     assert row.status == "over" and row.error == pytest.approx(6e38, rel=1e-6)
 
 
@@ -74,9 +77,9 @@ def test_a_tensor_no_sample_moved_gets_two_ulp():
     ref = torch.tensor(2.0638, dtype=torch.float32)
     ulp = 2.0 ** -22  # fp32 spacing in [2, 4)
     noisy = [ref.clone()] * 4
-    ok = _check_one(0, ("loss", "loss", 1, 0), ENTRY, ref, ref.double() + 1.125 * ulp, [], noisy, 1e-2, {})
+    ok = check_tensor(0, RecordKey("loss", "loss", 1, 0), ENTRY, ref, ref.double() + 1.125 * ulp, [], noisy, 1e-2, {})
     assert ok.status == "ok" and ok.threshold == pytest.approx(2 * ulp) and ok.ratio == pytest.approx(0.5625)
-    bad = _check_one(0, ("loss", "loss", 1, 0), ENTRY, ref, ref.double() + 2.5 * ulp, [], noisy, 1e-2, {})
+    bad = check_tensor(0, RecordKey("loss", "loss", 1, 0), ENTRY, ref, ref.double() + 2.5 * ulp, [], noisy, 1e-2, {})
     assert bad.status == "over"
 
 
@@ -85,7 +88,8 @@ def test_few_source_cap_is_lifted_only_before_the_update_of_restarted_samples(tm
     on every phase of unrestarted samples, of a step with a top-k choice, and on the phases
     after the optimizer update."""
     from tracer.compare.check import few_sources, samples_restart
-    from tracer.trace.store import PRE_UPDATE_PHASES, TraceReader, TraceWriter
+    from tracer.trace.schema import PRE_UPDATE_PHASES
+    from tracer.trace.store import TraceReader, TraceWriter
     for name, meta in (("restarted", {"restarts_each_step": True}), ("plain", None)):
         TraceWriter(tmp_path / name, 0, 1, {}, "sig", run_meta=meta).close()
     restarted, plain = TraceReader(tmp_path / "restarted"), TraceReader(tmp_path / "plain")

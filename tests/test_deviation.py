@@ -8,6 +8,7 @@ import torch
 
 from tracer.compare.check import compare
 from tracer.compare.decisions import TOPK_META
+from tracer.trace.schema import Entry
 from tracer.compare.deviation import (DEVIATION_FIELD, MOMENT_CHUNK, DeviationOf, MomentAccumulator, MomentWriter,
                               combined_moments, work_dtype)
 from tracer.errors import TraceError
@@ -116,18 +117,18 @@ def test_compare_reads_moments_as_it_reads_whole_samples(tmp_path):
     # what the moments trace holds: 3 moments and the block coordinates (4 x 4 blocks of
     # [32, 16], 4 of [8]) in float64 per floating tensor, integers whole
     sample = TraceReader(tmp_path / "moments" / "ref" / "noise" / "sample_0")
-    by_name = {e["name"]: e for e in sample.entries(0, 0)}
-    assert by_name["a"][DEVIATION_FIELD] == {"dtype": "float32", "shape": [32, 16], "sample": 0}
-    assert (by_name["a"]["dtype"], by_name["a"]["shape"]) == ("float64", [3 + 16])
-    assert by_name["b"]["shape"] == [3 + 4]
-    assert DEVIATION_FIELD not in by_name["idx"] and by_name["idx"]["shape"] == [6]
+    by_name = {e.name: e for e in sample.entries(0, 0)}
+    assert by_name["a"].extra[DEVIATION_FIELD] == {"dtype": "float32", "shape": [32, 16], "sample": 0}
+    assert (by_name["a"].dtype, by_name["a"].shape) == ("float64", (3 + 16,))
+    assert by_name["b"].shape == (3 + 4,)
+    assert DEVIATION_FIELD not in by_name["idx"].extra and by_name["idx"].shape == (6,)
 
 
 def test_top_k_scores_are_stored_whole(tmp_path):
     ref, _ = _runs(tmp_path, "moments", samples=1, meta={"a": {TOPK_META: {"k": 2, "dim": -1}}})
-    e = {e["name"]: e for e in TraceReader(ref / "noise" / "sample_0").entries(0, 0)}
-    assert DEVIATION_FIELD not in e["a"] and e["a"]["shape"] == [32, 16]
-    assert DEVIATION_FIELD in e["b"]
+    e = {e.name: e for e in TraceReader(ref / "noise" / "sample_0").entries(0, 0)}
+    assert DEVIATION_FIELD not in e["a"].extra and e["a"].shape == (32, 16)
+    assert DEVIATION_FIELD in e["b"].extra
 
 
 def test_a_subset_of_moment_samples_is_refused(tmp_path):
@@ -145,9 +146,12 @@ def test_mixed_stores_are_refused(tmp_path):
 
 
 def test_moments_of_another_shape_are_refused():
-    e = {"name": "a", "shape": [4], DEVIATION_FIELD: {"shape": [5], "dtype": "float32", "sample": 0}}
+    entry = {"key": "fwd/a/mb0/i0", "name": "a", "phase": "fwd", "step": 0, "microbatch": 0, "index": 0,
+             "dtype": "float64", "shape": [3], "placement": {}, "meta": {}, "stats": None}
+    e = Entry.from_dict({**entry, DEVIATION_FIELD: {"shape": [5], "dtype": "float32", "sample": 0}})
+    ref = Entry.from_dict({**entry, "dtype": "float32", "shape": [4]})
     with pytest.raises(TraceError, match="belong to another run"):
-        combined_moments([e], [torch.zeros(3, dtype=torch.float64)], {"name": "a", "shape": [4]}, None, 0)
+        combined_moments([e], [torch.zeros(3, dtype=torch.float64)], ref, None, 0)
 
 
 def test_the_writer_needs_a_flushed_full_reference(tmp_path):
@@ -170,10 +174,10 @@ def test_a_tensor_the_clean_step_did_not_trace_is_stored_whole(tmp_path):
     _trace(ref, {"a": torch.ones(3)})
     w = MomentWriter(tmp_path / "s0", ref, 0, acc, LAYOUT, SIG)
     _trace(tmp_path / "s0", {"a": torch.full((3,), 2.0), "new": torch.ones(2), }, w)
-    e = {e["name"]: e for e in TraceReader(tmp_path / "s0").entries(0, 0)}
-    assert DEVIATION_FIELD in e["a"] and DEVIATION_FIELD not in e["new"]
+    e = {e.name: e for e in TraceReader(tmp_path / "s0").entries(0, 0)}
+    assert DEVIATION_FIELD in e["a"].extra and DEVIATION_FIELD not in e["new"].extra
     # z = q = 3 (d = 1 everywhere), c = 0 (first sample), then one block per element: y_b = d r / |r| = 1
-    assert TraceReader(tmp_path / "s0").load(0, 0, e["a"]["key"]).tolist() == [3.0, 3.0, 0.0, 1.0, 1.0, 1.0]
+    assert TraceReader(tmp_path / "s0").load(0, 0, e["a"].key).tolist() == [3.0, 3.0, 0.0, 1.0, 1.0, 1.0]
 
 
 # ------------------------------------------------------------------ a real noise sampler

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from examples.transformer_block import Block
+from tracer.trace.canonical import Placement
 from tracer.errors import TraceError
 from tracer.capture.hooks import Tracer
 from tracer.trace.stats import STATS_CHUNK
@@ -78,7 +79,7 @@ def test_tracing_is_bitwise_neutral(case, tmp_path):
         assert p.dtype == dtype and torch.equal(p, q), n
     reader = TraceReader(tmp_path)
     assert reader.steps() == [0, 1, 2]
-    phases = {e["phase"] for e in reader.entries(2, 0)}
+    phases = {e.phase for e in reader.entries(2, 0)}
     assert phases == {"fwd", "bwd", "grad", "param", "loss"}
 
 
@@ -98,18 +99,18 @@ def _trace_mlp(root, **kw):
 
 def test_mlp_records_exactly_the_expected_names(tmp_path):
     _, entries = _trace_mlp(tmp_path)
-    got = sorted((e["phase"], e["name"]) for e in entries)
+    got = sorted((e.phase, e.name) for e in entries)
     want = sorted([("fwd", n) for n in MLP_FWD] + [("bwd", n) for n in MLP_BWD]
                   + [("grad", n) for n in MLP_PARAMS] + [("param", n) for n in MLP_PARAMS]
                   + [("loss", "loss")])
     assert got == want  # x needs no grad: no input_grad for the root and layer 0
-    assert all(e["microbatch"] == 0 and e["meta"]["call"] == 0 for e in entries)
+    assert all(e.microbatch == 0 and e.meta["call"] == 0 for e in entries)
 
 
 def test_execution_indices_follow_forward_then_backward(tmp_path):
     _, entries = _trace_mlp(tmp_path)
-    assert [e["index"] for e in entries] == list(range(len(entries)))
-    order = [(e["phase"], e["name"]) for e in entries]
+    assert [e.index for e in entries] == list(range(len(entries)))
+    order = [(e.phase, e.name) for e in entries]
     assert order[:len(MLP_FWD)] == [("fwd", n) for n in MLP_FWD]  # pre/post hooks in call order
     assert order[len(MLP_FWD)] == ("loss", "loss")
     assert order[-len(MLP_PARAMS):] == [("param", n) for n in MLP_PARAMS]
@@ -123,13 +124,13 @@ def test_execution_indices_follow_forward_then_backward(tmp_path):
 
 def test_include_exclude_patterns(tmp_path):
     _, entries = _trace_mlp(tmp_path / "a", include=["0", "2"], capture=("fwd_out", "grad"))
-    assert sorted(e["name"] for e in entries if e["phase"] != "loss") == \
+    assert sorted(e.name for e in entries if e.phase != "loss") == \
         sorted(["0.output", "2.output"] + MLP_PARAMS)
     _, entries = _trace_mlp(tmp_path / "b", exclude=["", "2", "1"])
-    names = {e["name"] for e in entries}
+    names = {e.name for e in entries}
     assert names == {"loss", "0.input", "0.output", "0.output_grad", "0.weight", "0.bias"}
     _, entries = _trace_mlp(tmp_path / "c", include=["*.weight"])  # a parameter pattern
-    assert {(e["phase"], e["name"]) for e in entries} == \
+    assert {(e.phase, e.name) for e in entries} == \
         {("loss", "loss"), ("grad", "0.weight"), ("grad", "2.weight"), ("param", "0.weight"),
          ("param", "2.weight")}
     with pytest.raises(ValueError, match="unknown capture"):
@@ -138,13 +139,13 @@ def test_include_exclude_patterns(tmp_path):
 
 def test_name_and_placement_functions(tmp_path):
     _, entries = _trace_mlp(tmp_path, name_fn=lambda n: f"decoder.{n}" if n else "decoder",
-                            placement_fn=lambda n, name, t: {"kind": "replicated", "local": n},
+                            placement_fn=lambda n, name, t: Placement((), full_shape=(len(n),)),
                             capture=("fwd_out", "grad"))
-    by = {(e["phase"], e["name"]): e for e in entries}
+    by = {(e.phase, e.name): e for e in entries}
     assert ("fwd", "decoder.output") in by and ("fwd", "decoder.2.output") in by
-    assert by[("grad", "decoder.0.weight")]["placement"] == {"kind": "replicated", "local": "0.weight"}
-    assert by[("fwd", "decoder.1.output")]["placement"] == {"kind": "replicated", "local": "1"}
-    assert by[("fwd", "decoder.1.output")]["meta"]["module"] == "1"
+    assert by[("grad", "decoder.0.weight")].placement.full_shape == (len("0.weight"),)  # from the local name
+    assert by[("fwd", "decoder.1.output")].placement.full_shape == (len("1"),)
+    assert by[("fwd", "decoder.1.output")].meta["module"] == "1"
 
 
 def test_round_trip_equals_manual_capture(tmp_path):
@@ -172,7 +173,7 @@ def test_round_trip_equals_manual_capture(tmp_path):
             **{("param", n): p for n, p in twin.named_parameters()}}
     reader = TraceReader(tmp_path)
     reader.validate()
-    got = {(e["phase"], e["name"]): reader.load(0, 0, e["key"]) for e in reader.entries(0, 0)}
+    got = {(e.phase, e.name): reader.load(0, 0, e.key) for e in reader.entries(0, 0)}
     for k, v in want.items():
         assert got[k].dtype == v.dtype and torch.equal(got[k], v.detach()), k
 
@@ -188,11 +189,11 @@ def test_microbatches_and_repeated_calls(tmp_path):
             model(model[2].weight.new_zeros(5, 4))  # a second call in the same microbatch
             model(x).sum().backward()
     entries = TraceReader(tmp_path).entries(0, 0)
-    outs = [(e["microbatch"], e["meta"]["call"]) for e in entries if e["name"] == "2.output"]
+    outs = [(e.microbatch, e.meta["call"]) for e in entries if e.name == "2.output"]
     assert outs == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    assert [e["microbatch"] for e in entries if e["name"] == "0.weight"] == [0, 1]
+    assert [e.microbatch for e in entries if e.name == "0.weight"] == [0, 1]
     # the grad of microbatch 1 is the accumulated one
-    last = TraceReader(tmp_path).load(0, 0, [e for e in entries if e["name"] == "0.weight"][-1]["key"])
+    last = TraceReader(tmp_path).load(0, 0, [e for e in entries if e.name == "0.weight"][-1].key)
     assert torch.equal(last, model[0].weight.grad)
 
 
@@ -258,7 +259,7 @@ def test_activation_recomputation_is_not_traced_twice(tmp_path, reentrant):
 
 def _all_tensors(root):
     reader = TraceReader(root)
-    return {(s, e["key"]): reader.load(s, 0, e["key"]) for s in reader.steps() for e in reader.entries(s, 0)}
+    return {(s, e.key): reader.load(s, 0, e.key) for s in reader.steps() for e in reader.entries(s, 0)}
 
 
 @pytest.mark.parametrize("mode", ["full", "stats"])
@@ -278,26 +279,26 @@ def test_staged_records_equal_eager_ones(tmp_path, device, mode):
         tracer.remove()
         traces.append(TraceReader(tmp_path / str(i)))
     eager, staged = traces
-    entries = {s: ({e["key"]: e for e in eager.entries(s, 0)}, {e["key"]: e for e in staged.entries(s, 0)})
+    entries = {s: ({e.key: e for e in eager.entries(s, 0)}, {e.key: e for e in staged.entries(s, 0)})
                for s in eager.steps()}
     assert eager.steps() == staged.steps() == [0, 1]
     large = 0
     for s, (a, b) in entries.items():
         assert a.keys() == b.keys() and len(a) > 40
         for key, e in a.items():
-            large += e["stats"]["numel"] >= STATS_CHUNK
+            large += e.stats["numel"] >= STATS_CHUNK
             if mode == "full":
                 assert torch.equal(eager.load(s, 0, key), staged.load(s, 0, key)), key
-                assert e["stats"] == b[key]["stats"], key
+                assert e.stats == b[key].stats, key
             else:  # PendingStats: the norm and mean in float64 in another order
-                sa, sb = e["stats"], b[key]["stats"]
+                sa, sb = e.stats, b[key].stats
                 assert {k: v for k, v in sa.items() if k not in ("norm", "mean")} == \
                        {k: v for k, v in sb.items() if k not in ("norm", "mean")}, key
                 assert sb["norm"] == pytest.approx(sa["norm"], rel=1e-12, abs=1e-300), key
                 assert sb["mean"] == pytest.approx(sa["mean"], rel=1e-9, abs=1e-15 * sa["absmax"]), key
     assert large >= 8
     pre_relu = [e for s, (a, _) in entries.items() for k, e in a.items() if k.startswith("fwd/0.output/")]
-    assert pre_relu and all(e["stats"]["quantiles"]["0"] < 0 for e in pre_relu)  # taken before the ReLU
+    assert pre_relu and all(e.stats["quantiles"]["0"] < 0 for e in pre_relu)  # taken before the ReLU
 
 
 def test_module_meta_reaches_the_records_of_matching_modules(tmp_path):
@@ -306,5 +307,5 @@ def test_module_meta_reaches_the_records_of_matching_modules(tmp_path):
     _train(model, _inputs((5, 4), torch.float32, requires_grad=True), torch.optim.SGD, steps=1, tracer=tracer)
     tracer.remove()
     entries = TraceReader(tmp_path).entries(0, 0)
-    tagged = sorted((e["phase"], e["name"]) for e in entries if "topk" in e["meta"])
+    tagged = sorted((e.phase, e.name) for e in entries if "topk" in e.meta)
     assert tagged == [("bwd", "2.output_grad"), ("fwd", "2.output")]

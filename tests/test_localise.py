@@ -1,4 +1,4 @@
-"""Localisation by re-running a module on the candidate's inputs (tracer.compare.rerun).
+"""Localisation by re-running a module on the candidate's inputs (tracer.compare.localise).
 
 A bf16 transformer block is the reference module. Three candidates:
 * a wrong module (fc2 weight off by 2^-5) on the reference's inputs -> "module is wrong";
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from examples.transformer_block import Block
-from tracer.compare.rerun import rerun_module, split_inputs
+from tracer.compare.localise import rerun_module, split_inputs
 from tracer.adapters.megatron import noise_policy
 
 

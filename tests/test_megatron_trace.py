@@ -193,12 +193,12 @@ def test_canonical_mapping_round_trips(traces, layout):
         groups: dict = {}
         for rank in reader.ranks(step):
             for e in reader.entries(step, rank):
-                groups.setdefault((e["phase"], e["name"], e["microbatch"], e["meta"].get("call", 0)), {})[rank] = e
+                groups.setdefault(e.record_key, {})[rank] = e
         for key, ents in groups.items():
-            pls = {r: Placement.from_dict(e["placement"] or {"dims": []}) for r, e in ents.items()}
+            pls = {r: e.placement for r, e in ents.items()}
             if any(d.kind in ("partial", "flat_shard") for p in pls.values() for d in p.dims):
                 continue
-            shards = {r: reader.load(step, r, e["key"]) for r, e in ents.items()}
+            shards = {r: reader.load(step, r, e.key) for r, e in ents.items()}
             full, rep = assemble(shards, pls, name=key[1])
             assert rep.replicas_agree, key
             for r, t in shards.items():

@@ -69,7 +69,7 @@ def test_the_plain_pytorch_tracer_records_the_options_and_needs_the_optimizer(tm
     t.remove()
     w.close()
     from tracer.trace.store import TraceReader
-    names = {e["name"] for e in TraceReader(tmp_path / "t").entries(0, 0) if e["phase"] == "options"}
+    names = {e.name for e in TraceReader(tmp_path / "t").entries(0, 0) if e.phase == "options"}
     assert names == {f"optimizer.{k}" for k in optimizer_options(opt)}
 
 

@@ -23,7 +23,8 @@ from tracer.trace.canonical import Placement, ShardDim, shard
 from tracer.errors import MissingRankError, TraceError
 from tracer.capture.optim_state import main_param_and_state
 from tracer.capture.resync import STATE_PHASES, ResyncWarning, candidate_state, load_state
-from tracer.trace.store import PRE_UPDATE_PHASES, TraceWriter
+from tracer.trace.schema import PRE_UPDATE_PHASES
+from tracer.trace.store import TraceWriter
 
 SHAPES = {"w": (4, 6), "b": (6,)}
 TP_SPLIT = {"w": 0, "b": None}  # w column-split over 2 TP ranks along dim 0, b replicated
@@ -195,8 +196,8 @@ def test_candidate_traces_its_optimizer_state_as_flat_shards(synced, dtype):
     from tracer.compare.check import assembled_records
     from tracer.trace.store import TraceReader
     reader = TraceReader(synced / f"cand_{dtype}")
-    entries = [e for r in reader.ranks(0) for e in reader.entries(0, r) if e["phase"] == "exp_avg"]
-    kinds = {d["kind"] for e in entries for d in e["placement"]["dims"] if d["group"] == "dp"}
+    entries = [e for r in reader.ranks(0) for e in reader.entries(0, r) if e.phase == "exp_avg"]
+    kinds = {d.kind for e in entries for d in e.placement.dims if d.group == "dp"}
     assert kinds == {"flat_shard"}  # the distributed optimizer's moments: each DP rank its range
     params = assembled_records(synced / f"cand_{dtype}", 0, "param", 0, "")
     for phase in ("main_param", "exp_avg", "exp_avg_sq"):
@@ -232,8 +233,8 @@ def test_resynchronised_comparison_is_clean(synced, dtype):
 def _caps(monkeypatch, ref, cand) -> set[tuple[str, bool]]:
     """(phase, few_sources) of every tensor ``tracer.compare.check.compare`` checks; asserts it is clean."""
     import tracer.compare.check as check
-    seen, routed = set(), check._check_routed
-    monkeypatch.setattr(check, "_check_routed", lambda *a, few_sources, **k: (
+    seen, routed = set(), check.check_routed
+    monkeypatch.setattr(check, "check_routed", lambda *a, few_sources, **k: (
         seen.add((a[1][0], few_sources)), routed(*a, few_sources=few_sources, **k))[1])
     assert check.compare(ref, cand).first is None
     return seen

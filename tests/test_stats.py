@@ -162,7 +162,7 @@ def test_staged_stats_mode_keeps_no_copy_of_a_large_tensor(tmp_path):
         assert isinstance(held[0], PendingStats) and held[1] is None
         kept = [getattr(held[0], slot) for slot in PendingStats.__slots__]  # the event: None on the CPU
         assert sum(t.numel() for t in kept if isinstance(t, torch.Tensor)) <= stats.MAX_STAT_SAMPLES + 6
-    got = {e["name"]: e["stats"] for e in TraceReader(tmp_path).entries(0, 0)}
+    got = {e.name: e.stats for e in TraceReader(tmp_path).entries(0, 0)}
     assert got["big"]["norm"] == pytest.approx(want["norm"], rel=1e-13) and got["big"]["absmax"] == want["absmax"]
     assert got["fp8"] == tensor_stats(fp8)
 
@@ -176,6 +176,6 @@ def test_stats_mode_takes_a_tensor_as_it_was_when_added(tmp_path):
         w.add("large", large, phase="grad", step=0)
         small.mul_(3), large.mul_(3)
         w.flush_step(0)
-    got = {e["name"]: e["stats"] for e in TraceReader(tmp_path).entries(0, 0)}
+    got = {e.name: e.stats for e in TraceReader(tmp_path).entries(0, 0)}
     assert got["small"]["norm"] == pytest.approx(8.0) and got["small"]["mean"] == 1.0
     assert got["large"]["mean"] == 1.0

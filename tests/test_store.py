@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import tracer.trace.store as store
+from tracer.trace.canonical import Placement, ShardDim
 from tracer.errors import (CorruptTraceError, IncomparableRunsError, ManifestMismatchError,
                            MissingRankError, TraceError, TraceWriteError)
 from tracer.trace.store import TraceReader, _jsonable, TraceWriter, check_comparable, manifest_path, tensor_path
@@ -40,7 +41,7 @@ def _write_run(root, *, world_size=2, steps=(0, 1), mode="full", sig=SIG, run_id
             for name, t in _tensors(seed=10 * step + rank).items():
                 if names is None or name in names:
                     w.add(f"layer.{name}", t, phase="fwd", step=step,
-                          placement={"kind": "tp_column", "dim": 0, "rank": rank, "size": world_size})
+                          placement=Placement((ShardDim(0, "tp", rank, world_size),)))
             w.flush_step(step)
     return TraceReader(root)
 
@@ -57,11 +58,11 @@ def test_full_round_trip_bit_exact(tmp_path):
     for step in (0, 1):
         for rank in (0, 1):
             entries = r.entries(step, rank)
-            assert [e["index"] for e in entries] == list(range(5))
+            assert [e.index for e in entries] == list(range(5))
             for e, (name, t) in zip(entries, _tensors(seed=10 * step + rank).items()):
-                assert e["name"] == f"layer.{name}" and e["phase"] == "fwd" and e["step"] == step
-                assert e["placement"] == {"kind": "tp_column", "dim": 0, "rank": rank, "size": 2}
-                got = r.load(step, rank, e["key"])
+                assert e.name == f"layer.{name}" and e.phase == "fwd" and e.step == step
+                assert e.placement == Placement((ShardDim(0, "tp", rank, 2),))
+                got = r.load(step, rank, e.key)
                 assert got.dtype == t.dtype and got.shape == t.shape
                 assert torch.equal(_bits(got), _bits(t))  # bit-exact incl. bf16 and fp8
     run = json.loads((tmp_path / "run.json").read_text())
@@ -86,11 +87,11 @@ def test_stats_mode_has_no_tensor_file(tmp_path):
     r.validate()
     e = r.entries(0, 1)[0]
     x = _tensors(seed=1)["fp32"].double()
-    assert e["stats"]["norm"] == pytest.approx(float(x.norm()), rel=1e-12)
-    assert e["stats"]["absmax"] == pytest.approx(float(x.abs().max()), rel=1e-12)
-    assert e["stats"]["quantiles"]["0.5"] == pytest.approx(float(x.median().item()), abs=0.5)
+    assert e.stats["norm"] == pytest.approx(float(x.norm()), rel=1e-12)
+    assert e.stats["absmax"] == pytest.approx(float(x.abs().max()), rel=1e-12)
+    assert e.stats["quantiles"]["0.5"] == pytest.approx(float(x.median().item()), abs=0.5)
     with pytest.raises(TraceError, match="stats mode"):
-        r.load(0, 1, e["key"])
+        r.load(0, 1, e.key)
 
 
 def test_nan_inf_are_findings_not_errors(tmp_path):
@@ -182,7 +183,7 @@ def _trace_of(root, step, rank=0):
     """A flushed step as plain data: its manifest entries and tensors, for comparing writers."""
     r = TraceReader(root)
     entries = r.entries(step, rank)
-    return entries, {e["key"]: r.load(step, rank, e["key"]) for e in entries}
+    return entries, {e.key: r.load(step, rank, e.key) for e in entries}
 
 
 def test_background_writer_writes_what_a_synchronous_one_does(tmp_path):
@@ -260,7 +261,7 @@ def test_missing_rank(tmp_path):
 def test_truncated_tensor_file(tmp_path):
     r = _write_run(tmp_path, steps=(0,))
     path = tensor_path(tmp_path, 0, 1)
-    key = r.entries(0, 1)[0]["key"]
+    key = r.entries(0, 1)[0].key
     with open(path, "r+b") as f:
         f.truncate(path.stat().st_size - 10)
     with pytest.raises(CorruptTraceError, match=r"rank 1 step 0 is truncated or corrupt.*re-run the trace "
@@ -427,7 +428,7 @@ def test_numpy_integer_step_and_non_oserror_cleanup(tmp_path, monkeypatch):
     assert os.listdir(tmp_path / "step_000001") == []  # the tensor file was taken back
     monkeypatch.undo()
     w.flush_step(np.int64(1))
-    assert TraceReader(tmp_path).entries(1, 0)[0]["key"] == "loss/a/mb2/i0"
+    assert TraceReader(tmp_path).entries(1, 0)[0].key == "loss/a/mb2/i0"
 
 
 @pytest.mark.parametrize("value", [

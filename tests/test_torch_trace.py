@@ -75,16 +75,16 @@ def test_candidate_records(traces):
     n = ex.GLOBAL_MICROBATCHES // ex.DP
     for rank in (0, 1):
         ents = r.entries(0, rank)
-        assert {e["microbatch"] for e in ents if e["phase"] == "fwd"} == set(range(rank * n, (rank + 1) * n))
-        bwd = [e for e in ents if e["phase"] == "bwd"]
-        assert bwd and all(e["meta"]["scaled_by"] == 1 / ex.DP for e in bwd)
+        assert {e.microbatch for e in ents if e.phase == "fwd"} == set(range(rank * n, (rank + 1) * n))
+        bwd = [e for e in ents if e.phase == "bwd"]
+        assert bwd and all(e.meta["scaled_by"] == 1 / ex.DP for e in bwd)
         for e in ents:
-            if e["phase"] in ("grad", "param"):
-                assert e["placement"] == ddp_placement(rank, ex.DP)
+            if e.phase in ("grad", "param"):
+                assert e.placement == Placement.from_dict(ddp_placement(rank, ex.DP))
             else:
-                assert not (e["placement"] or {}).get("dims")
+                assert not e.placement.dims
     ref = TraceReader(traces / "ref_fp32")
-    assert all(not (e["placement"] or {}).get("dims") and "scaled_by" not in e["meta"] for e in ref.entries(0, 0))
+    assert all(not e.placement.dims and "scaled_by" not in e.meta for e in ref.entries(0, 0))
 
 
 def test_integration_snippet_is_the_tested_code():

@@ -80,7 +80,7 @@ def _digest(chunks: list) -> str:
 
 def _rerun(model, rerun: dict, dtype: str):
     """Re-run one module of this (single-process) model on the candidate's inputs."""
-    from tracer.compare.rerun import rerun_module
+    from tracer.compare.localise import rerun_module
     from tracer.adapters.megatron import noise_policy, unwrap
     modules = dict(unwrap(model).named_modules())
     if rerun["module"] not in modules:
@@ -145,7 +145,7 @@ def build_and_train(layout: dict, steps: int = 3, seed: int = 1234, dtype: str =
         rerun: localisation (single process only): ``{"step": t, "module": canonical name,
             "args": [...], "kwargs": {...}, "output": candidate's output, "noise_tp": T}``:
             train up to step ``t``, then re-run that module of this (reference) model on the
-            candidate's inputs (:func:`tracer.compare.rerun.rerun_module`) and return the verdict
+            candidate's inputs (:func:`tracer.compare.localise.rerun_module`) and return the verdict
             as ``result["rerun"]`` instead of training step ``t``; with ``"resync_from":
             candidate trace``, step ``t`` starts from the candidate's state (:mod:`tracer.capture.resync`).
         config_overrides: model sizes (``DEFAULT_MODEL`` keys) or ``TransformerConfig`` fields.

@@ -6,14 +6,14 @@ When the first divergence of a comparison is a module's forward output, a single
 reference is rebuilt, trained up to that step (it is deterministic, so its state is the
 traced reference's; a re-synchronised one then loads the candidate's state of the step
 before, as the traced one did), and the module is re-run on the candidate's assembled inputs of that
-microbatch (:func:`tracer.compare.rerun.rerun_module`): the module's own difference, free of
+microbatch (:func:`tracer.compare.localise.rerun_module`): the module's own difference, free of
 anything propagated, against a threshold from noise samples of the same re-run.
 """
 from __future__ import annotations
 
 from examples.gloo import run_gloo
 from tracer.compare.check import Comparison, assembled_records
-from tracer.compare.rerun import LocalVerdict, split_inputs
+from tracer.compare.localise import LocalVerdict, split_inputs
 
 __all__ = ["rerun_first_divergence"]
 

@@ -310,10 +310,10 @@ class MegatronTracer:
                 g = g.reshape(-1)[rng[0]:rng[1]]
             self.tracer.record(name, g, phase, placement=placement, meta=meta)
 
-    def _flat_shard(self, placement: dict[str, Any], rng: tuple[int, int], p: torch.Tensor) -> dict[str, Any]:
+    def _flat_shard(self, placement: Placement | dict[str, Any], rng: tuple[int, int], p: torch.Tensor) -> dict[str, Any]:
         """``placement`` with its DP replication replaced by this rank's flat range ``rng`` of
         ``p`` (the distributed optimizer's shard of a reduced grad, main param or moment)."""
-        dims = [d for d in Placement.from_dict(placement).dims if d.group != "dp"]
+        dims = [d for d in Placement.of(placement).dims if d.group != "dp"]
         dims.append(ShardDim(None, "dp", self.par["dp_rank"], self.par["dp"], "flat_shard",
                              start=rng[0], end=rng[1], shape=tuple(p.shape)))
         return Placement(tuple(dims)).to_dict()

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tracer.trace.store import OPTIMIZER_STATE_PHASES
+from tracer.trace.schema import Phase
 
 __all__ = ["ADAM_MOMENTS", "STEP_COUNT_OPTION", "cast_mismatches", "chained", "main_param_and_state", "optimizer_options", "param_groups",
            "state_step_range"]
@@ -22,7 +22,7 @@ __all__ = ["ADAM_MOMENTS", "STEP_COUNT_OPTION", "cast_mismatches", "chained", "m
 #: the option (:func:`optimizer_options`) that holds the range of the per-parameter step counts
 STEP_COUNT_OPTION = "state.step"
 #: Adam's per-parameter state tensors (torch's names) traced by capture ``optim``
-ADAM_MOMENTS = OPTIMIZER_STATE_PHASES[1:]
+ADAM_MOMENTS = (Phase.EXP_AVG.value, Phase.EXP_AVG_SQ.value)
 
 
 def chained(optimizer: Any) -> list[Any]:

@@ -40,13 +40,14 @@ import torch
 from tracer.compare.check import assembled_phases
 from tracer.errors import MissingRankError, TraceError
 from tracer.capture.optim_state import ADAM_MOMENTS, chained, main_param_and_state
-from tracer.trace.store import OPTIMIZER_STATE_PHASES, TraceReader
+from tracer.trace.schema import OPTIMIZER_STATE_PHASES, Phase
+from tracer.trace.store import TraceReader
 
 __all__ = ["STATE_PHASES", "ResyncWarning", "candidate_state", "load_state"]
 
 #: what a re-synchronised reference loads, per parameter: the main copy and Adam's moments;
 #: ``param`` (the model's copy) is loaded to check the cast
-STATE_PHASES = (*OPTIMIZER_STATE_PHASES, "param")
+STATE_PHASES = (*sorted(OPTIMIZER_STATE_PHASES), Phase.PARAM)
 
 
 def candidate_state(trace: str | Path, step: int) -> dict[str, dict[str, torch.Tensor]]:

@@ -49,10 +49,11 @@ import torch
 from tracer.compare.blockscale import block_grid, block_scales
 from tracer.compare.decisions import TOPK_CONSUMER_META, TOPK_META
 from tracer.errors import TraceError
+from tracer.trace.schema import Entry, RecordKey
 from tracer.trace.store import TraceReader, TraceWriter
 
-__all__ = ["DEVIATION_FIELD", "DeviationOf", "Key", "MomentAccumulator", "MomentWriter", "SampleMoments",
-           "StorageRoundingExcess", "block_scale_applies", "combined_moments", "entry_key", "storage_rounding_allowance",
+__all__ = ["DEVIATION_FIELD", "DeviationOf", "MomentAccumulator", "MomentWriter", "SampleMoments",
+           "StorageRoundingExcess", "block_scale_applies", "combined_moments", "storage_rounding_allowance",
            "storage_rounding_excess", "stored_rounded", "work_dtype"]
 
 #: manifest entry field of a tensor stored as moments: ``{"dtype", "shape"}`` of the traced tensor and
@@ -63,12 +64,6 @@ DEVIATION_FIELD = "deviation_moments_of"
 #: stored dtypes whose comparison arithmetic runs in float32 (:func:`work_dtype`)
 _FLOAT32_WORK = (torch.float32, torch.bfloat16, torch.float16)
 
-Key = tuple[str, str, int, int]  # phase, name, microbatch, call: what matches a tensor across traces
-
-
-def entry_key(e: dict[str, Any]) -> Key:
-    """(phase, name, microbatch, call) of a manifest entry: what matches a tensor across traces."""
-    return (e["phase"], e["name"], int(e["microbatch"]), int(e["meta"].get("call", 0)))
 
 
 def work_dtype(*dtypes: torch.dtype) -> torch.dtype:
@@ -206,13 +201,13 @@ class MomentAccumulator:
     """``a = sum_{t<s} d_t^2`` per tensor over the samples of one step (module doc)."""
 
     def __init__(self) -> None:
-        self.sums: dict[Key, torch.Tensor] = {}
+        self.sums: dict[RecordKey, torch.Tensor] = {}
 
     def reset(self) -> None:
         """Forget the sums: before the first sample of a step, and after its last (memory)."""
         self.sums = {}
 
-    def moments(self, key: Key, d: torch.Tensor) -> torch.Tensor:
+    def moments(self, key: RecordKey, d: torch.Tensor) -> torch.Tensor:
         """``[z, q, c]`` of one sample's deviation ``d`` (float64), and ``d^2`` added to ``a``.
 
         The first sample's ``d^2`` becomes ``a``; a later one's is taken chunk by chunk
@@ -248,9 +243,9 @@ class MomentWriter(TraceWriter):
         self.reference = Path(reference)
         self.sample = int(sample)
         self.acc = moments
-        self._clean: tuple[int, TraceReader, dict[Key, dict[str, Any]]] | None = None
+        self._clean: tuple[int, TraceReader, dict[RecordKey, Entry]] | None = None
 
-    def _clean_entry(self, step: int, key: Key) -> tuple[TraceReader, dict[str, Any] | None]:
+    def _clean_entry(self, step: int, key: RecordKey) -> tuple[TraceReader, Entry | None]:
         if self._clean is None or self._clean[0] != step:
             reader = TraceReader(self.reference)
             if step not in reader.steps():
@@ -261,7 +256,7 @@ class MomentWriter(TraceWriter):
                 raise TraceError("the reference traced this step in stats mode: noise samples stored as moments "
                                  "need its tensors (trace the reference in full mode)", path=self.reference,
                                  rank=0, step=step)
-            self._clean = (step, reader, {entry_key(e): e for e in reader.entries(step, 0)})
+            self._clean = (step, reader, {e.record_key: e for e in reader.entries(step, 0)})
         return self._clean[1], self._clean[2].get(key)
 
     def _kept(self, entry: dict[str, Any], tensor: torch.Tensor) -> tuple[dict[str, Any], torch.Tensor]:
@@ -271,11 +266,11 @@ class MomentWriter(TraceWriter):
         meta = entry["meta"]
         if TOPK_META in meta or TOPK_CONSUMER_META in meta or not tensor.is_floating_point():
             return entry, tensor  # compared elementwise (tracer.compare.decisions), or exactly (integers)
-        step, key = entry["step"], entry_key(entry)
+        step, key = entry["step"], RecordKey.of(entry)
         reader, clean = self._clean_entry(step, key)
-        if clean is None or clean["shape"] != entry["shape"]:
+        if clean is None or list(clean.shape) != entry["shape"]:
             return entry, tensor  # nothing to subtract: stored whole
-        ref = reader.load(step, 0, clean["key"])
+        ref = reader.load(step, 0, clean.key)
         work = work_dtype(ref.dtype, tensor.dtype)
         dev = DeviationOf(ref.to(work), ref.dtype, entry["phase"])
         d = dev(tensor.to("cpu"))
@@ -296,16 +291,16 @@ class SampleMoments:
     blocks: list[torch.Tensor] | None = None  # block coordinates y_s per sample (tracer.compare.blockscale), if stored
 
 
-def combined_moments(entries: list[dict[str, Any]], stored: list[torch.Tensor], ref_entry: dict[str, Any],
+def combined_moments(entries: list[Entry], stored: list[torch.Tensor], ref_entry: Entry,
                      where: Path, step: int) -> SampleMoments:
     """:class:`SampleMoments` from the ``[z, q, c]`` of samples ``0 .. S-1`` of one tensor;
     a :class:`~tracer.errors.TraceError` when they are of another tensor or not that set (``c``
     sums over the samples before each: a subset other than a prefix gives a wrong ``||m||^2``)."""
-    of = [e[DEVIATION_FIELD] for e in entries]
-    name = ref_entry["name"]
-    if any(o.get("shape") != ref_entry["shape"] for o in of):
+    of = [e.extra[DEVIATION_FIELD] for e in entries]
+    name = ref_entry.name
+    if any(o.get("shape") != list(ref_entry.shape) for o in of):
         raise TraceError(f"noise samples stored as moments are of shapes {[o.get('shape') for o in of]}, the "
-                         f"reference tensor is {ref_entry['shape']}: they belong to another run", path=where,
+                         f"reference tensor is {list(ref_entry.shape)}: they belong to another run", path=where,
                          step=step, tensor=name)
     order = sorted(range(len(of)), key=lambda i: int(of[i].get("sample", -1)))
     if [int(of[i].get("sample", -1)) for i in order] != list(range(len(of))):

@@ -201,7 +201,21 @@ class Placement:
         return d
 
     @classmethod
+    def of(cls, p: Placement | dict[str, Any] | None) -> Placement:
+        """``p`` itself, or the placement its dict describes (:meth:`from_dict`; None: held whole)."""
+        return p if isinstance(p, Placement) else cls.from_dict(p or {})
+
+    @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Placement:
+        """The placement a manifest stores (:meth:`to_dict`); ``{}`` is the placement of a tensor
+        held whole. A ValueError for anything else (an unknown field would otherwise be ignored
+        and the tensor taken as whole)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"a placement is a dict with 'dims' (and 'full_shape', 'valid_shape'), not {d!r}")
+        unknown = set(d) - {"dims", "full_shape", "valid_shape"}
+        if unknown:
+            raise ValueError(f"a placement has the fields 'dims', 'full_shape', 'valid_shape', not {sorted(unknown)} "
+                             f"in {d!r}: build it with tracer.trace.canonical.Placement")
         fs, vs = d.get("full_shape"), d.get("valid_shape")
         return cls(dims=tuple(ShardDim.from_dict(x) for x in d.get("dims", [])),
                    full_shape=None if fs is None else tuple(fs),
@@ -386,7 +400,7 @@ def assemble(shards: dict[Hashable, torch.Tensor], placements: dict[Hashable, Pl
     if set(shards) != set(placements):
         raise ValueError(f"{name}: shards and placements have different ranks: "
                          f"{sorted(map(str, set(shards) ^ set(placements)))}")
-    pl = {k: p if isinstance(p, Placement) else Placement.from_dict(p) for k, p in placements.items()}
+    pl = {k: Placement.of(p) for k, p in placements.items()}
     first = next(iter(pl))
     sig = [d.signature() for d in pl[first].dims]
     for k, p in pl.items():

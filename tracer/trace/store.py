@@ -48,32 +48,17 @@ from tracer.errors import (
     TraceError,
     TraceWriteError,
 )
+from tracer.trace.canonical import Placement
 from tracer.trace.safetensors_writer import write_safetensors
+from tracer.trace.schema import ENTRY_FIELDS, Entry
 from tracer.trace.stats import STATS_CHUNK, PendingStats, tensor_stats, tensor_stats_many
 
 SCHEMA_VERSION = 1
 MODES = ("full", "stats")
-KNOWN_PHASES = ("fwd", "bwd", "grad_local", "grad", "main_grad", "grad_norm", "options", "cast", "param", "main_param",
-                "exp_avg", "exp_avg_sq", "state", "loss", "input")
-#: an optimizer's per-parameter state (capture ``optim``)
-OPTIMIZER_STATE_PHASES = ("main_param", "exp_avg", "exp_avg_sq")
-#: what a candidate records for a reference that re-synchronises to it (:mod:`tracer.capture.resync`), never
-#: compared (see tracer.compare.check): the optimizer's state and a run's own (phase ``state``, e.g. FP8
-#: amax histories)
-CARRIED_PHASES = (*OPTIMIZER_STATE_PHASES, "state")
-#: records of an invariant that every correct run, reference or candidate, satisfies exactly
-#: (capture ``cast``: the model parameters are the cast of their fp32 main copies): compared
-#: bitwise, the noise samples left out (they perturb the very values the invariant relates)
-INVARIANT_PHASES = ("cast",)
-#: phases a step records before its optimizer update (everything else: the parameters and
-#: optimizer state after it)
-PRE_UPDATE_PHASES = ("input", "fwd", "bwd", "loss", "grad_local", "grad", "main_grad", "grad_norm")
 RUN_FILE = "run.json"
 MAX_OPEN_FILES = 64  # safetensors handles a TraceReader keeps open
 _STEP_RE = re.compile(r"^step_(\d{6,})$")
 _RANK_RE = re.compile(r"^rank_(\d{5,})\.json$")
-_ENTRY_FIELDS = ("key", "name", "phase", "step", "microbatch", "index", "dtype", "shape",
-                 "placement", "meta", "stats")
 _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
                        "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "I64": "int64",
                        "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
@@ -362,11 +347,11 @@ class TraceWriter:
                                   path=path, rank=self.rank) from exc
 
     def add(self, name: str, tensor: torch.Tensor, *, phase: str, step: int, microbatch: int = 0,
-            index: int | None = None, placement: dict[str, Any] | None = None,
+            index: int | None = None, placement: Placement | dict[str, Any] | None = None,
             meta: dict[str, Any] | None = None) -> str:
         """Buffer a copy of ``tensor`` for ``step``; returns its key in the file.
 
-        ``name`` is the canonical name, ``phase`` one of :data:`KNOWN_PHASES` (others
+        ``name`` is the canonical name, ``phase`` a :class:`~tracer.trace.schema.Phase` (others
         are accepted), ``index`` the execution order within the step on this rank
         (next free one if ``None``; must be unique), ``placement`` the shard metadata
         (e.g. ``{"kind": "tp_column", "dim": 0, "rank": r, "size": n}``), ``meta``
@@ -385,7 +370,11 @@ class TraceWriter:
         if step in self._flushed:
             raise TraceError("this step was already flushed; adding to it would overwrite its "
                              "file: trace each step once", rank=self.rank, step=step, tensor=name)
-        placement = _jsonable(placement or {}, "placement", name)
+        try:
+            placement = Placement.of(placement)
+        except ValueError as exc:
+            raise TraceError(f"invalid placement: {exc}", rank=self.rank, step=step, tensor=name) from exc
+        placement = _jsonable(placement.to_dict(), "placement", name)
         meta = _jsonable(meta or {}, "meta", name)
         entries = self._pending.setdefault(step, {})
         if index is None:
@@ -395,6 +384,7 @@ class TraceWriter:
             raise TraceError(f"execution index {index} is already used by "
                              f"{entries[index].entry['name']!r} in this step", rank=self.rank,
                              step=step, tensor=name)
+        phase = str(phase)
         key = f"{phase}/{name}/mb{microbatch}/i{index}"
         with torch._C.DisableTorchFunction():  # plain copy and stats even under a TorchFunctionMode
             view = tensor.detach()
@@ -560,7 +550,8 @@ class TraceReader:
             raise ManifestMismatchError(f"schema version {self.run['schema_version']} is not the "
                                         f"supported {SCHEMA_VERSION}", path=path)
         self._manifests: dict[tuple[int, int], dict[str, Any]] = {}
-        self._entry_index: dict[tuple[int, int], dict[str, dict[str, Any]]] = {}
+        self._entries: dict[tuple[int, int], list[Entry]] = {}
+        self._entry_index: dict[tuple[int, int], dict[str, Entry]] = {}
         self._handles: dict[tuple[int, int], tuple[Any, set[str], Path]] = {}
 
     @property
@@ -645,8 +636,11 @@ class TraceReader:
         if m["mode"] not in MODES:
             raise CorruptTraceError(f"unknown mode {m['mode']!r}", path=path, rank=rank, step=step)
         keys: set[str] = set()
+        parsed: list[Entry] = []
+        if not isinstance(m["entries"], list):
+            raise CorruptTraceError("manifest field 'entries' is not a list", path=path, rank=rank, step=step)
         for i, e in enumerate(m["entries"]):
-            lacking = [f for f in _ENTRY_FIELDS if f not in e] if isinstance(e, dict) else list(_ENTRY_FIELDS)
+            lacking = [f for f in ENTRY_FIELDS if f not in e] if isinstance(e, dict) else list(ENTRY_FIELDS)
             if lacking:
                 raise CorruptTraceError(f"entry {i} lacks fields {lacking}", path=path, rank=rank,
                                         step=step, tensor=e.get("name") if isinstance(e, dict) else None)
@@ -658,17 +652,24 @@ class TraceReader:
                 raise CorruptTraceError(f"entry {i} repeats a key", path=path, rank=rank, step=step,
                                         tensor=e["key"])
             keys.add(e["key"])
+            try:
+                parsed.append(Entry.from_dict(e))
+            except (TypeError, ValueError, KeyError, AttributeError) as exc:
+                raise CorruptTraceError(f"entry {i} is malformed ({type(exc).__name__}: {exc})", path=path,
+                                        rank=rank, step=step, tensor=e["key"]) from exc
         self._manifests[(step, rank)] = m
+        self._entries[(step, rank)] = sorted(parsed, key=lambda e: e.index)
         return m
 
-    def entries(self, step: int, rank: int) -> list[dict[str, Any]]:
-        """Manifest entries of one rank and step, in execution order."""
-        return sorted(self.manifest(step, rank)["entries"], key=lambda e: e["index"])
+    def entries(self, step: int, rank: int) -> list[Entry]:
+        """Manifest entries of one rank and step, parsed, in execution order."""
+        self.manifest(step, rank)
+        return self._entries[(step, rank)]
 
-    def entry(self, step: int, rank: int, key: str) -> dict[str, Any]:
+    def entry(self, step: int, rank: int, key: str) -> Entry:
         """The manifest entry of ``key``."""
         if (step, rank) not in self._entry_index:
-            self._entry_index[(step, rank)] = {e["key"]: e for e in self.manifest(step, rank)["entries"]}
+            self._entry_index[(step, rank)] = {e.key: e for e in self.entries(step, rank)}
         e = self._entry_index[(step, rank)].get(key)
         if e is None:
             raise ManifestMismatchError("no such key in the manifest", path=manifest_path(self.root, step, rank),
@@ -726,9 +727,9 @@ class TraceReader:
             t = f.get_tensor(key)
         except (SafetensorError, OSError) as exc:
             raise self._corrupt(path, rank, step, key, exc) from exc
-        if _dtype_name(t.dtype) != entry["dtype"] or list(t.shape) != entry["shape"]:
+        if _dtype_name(t.dtype) != entry.dtype or tuple(t.shape) != entry.shape:
             raise ManifestMismatchError(f"file holds {_dtype_name(t.dtype)}{list(t.shape)}, manifest "
-                                        f"says {entry['dtype']}{entry['shape']}", path=path, rank=rank,
+                                        f"says {entry.dtype}{list(entry.shape)}", path=path, rank=rank,
                                         step=step, tensor=key)
         return t
 
@@ -752,18 +753,18 @@ class TraceReader:
                                         f"{meta.get('step')}, model {meta.get('model_signature')!r}: "
                                         "the file was moved or belongs to another run",
                                         path=path, rank=rank, step=step)
-        listed = {e["key"] for e in m["entries"]}
+        listed = {e.key for e in self.entries(step, rank)}
         for key in sorted(listed ^ keys):
             where = "the manifest lists it but the file lacks it" if key in listed else \
                 "the file holds it but the manifest does not list it"
             raise ManifestMismatchError(where, path=path, rank=rank, step=step, tensor=key)
-        for e in m["entries"]:
-            code, shape = info[e["key"]]
-            dtype = _SAFETENSORS_DTYPES.get(code, e["dtype"])  # unknown codes: load() checks them
-            if shape != e["shape"] or dtype != e["dtype"]:
+        for e in self.entries(step, rank):
+            code, shape = info[e.key]
+            dtype = _SAFETENSORS_DTYPES.get(code, e.dtype)  # unknown codes: load() checks them
+            if tuple(shape) != e.shape or dtype != e.dtype:
                 raise ManifestMismatchError(f"file holds {dtype}{shape}, manifest says "
-                                            f"{e['dtype']}{e['shape']}", path=path, rank=rank,
-                                            step=step, tensor=e["key"])
+                                            f"{e.dtype}{list(e.shape)}", path=path, rank=rank,
+                                            step=step, tensor=e.key)
 
     def validate(self, steps: list[int] | None = None) -> None:
         """Every rank present and consistent for each of ``steps`` (default: all)."""
@@ -780,8 +781,7 @@ class TraceReader:
 
     def names(self, step: int) -> set[tuple[str, str, int]]:
         """(phase, canonical name, microbatch) traced by any present rank at ``step``."""
-        return {(e["phase"], e["name"], e["microbatch"]) for rank in self.ranks(step)
-                for e in self.manifest(step, rank)["entries"]}
+        return {(e.phase, e.name, e.microbatch) for rank in self.ranks(step) for e in self.entries(step, rank)}
 
     def findings(self) -> list[Finding]:
         """Every traced tensor with NaN or Inf values, over all present manifests, in
@@ -790,10 +790,10 @@ class TraceReader:
         for step in self.steps():
             for rank in self.ranks(step):
                 for e in self.entries(step, rank):
-                    s = e["stats"]
-                    if s["nan_count"] or s["inf_count"]:
-                        out.append(Finding(step=step, rank=rank, tensor=e["name"], phase=e["phase"],
-                                           key=e["key"], microbatch=e["microbatch"], index=e["index"],
+                    s = e.stats or {}
+                    if s.get("nan_count") or s.get("inf_count"):
+                        out.append(Finding(step=step, rank=rank, tensor=e.name, phase=str(e.phase),
+                                           key=e.key, microbatch=e.microbatch, index=e.index,
                                            nan_count=s["nan_count"], inf_count=s["inf_count"]))
         return out
 

@@ -1,6 +1,14 @@
-"""Local or propagated? Re-run the first divergent module on the candidate's own inputs.
+"""Localisation: from the first divergent tensor to the cause.
 
-A forward output ``y_c = f_c(x_c)`` of the candidate differs from the reference's
+Two tools, one question (local or propagated?):
+
+* :func:`localise` reads the comparison's rows: what fed the first divergent tensor, and did
+  it agree with the reference? A forward output whose module's inputs all agree is a wrong
+  module; a reduced grad whose per-rank contributions agree is a wrong reduction; an updated
+  parameter whose reduced grad agrees is a wrong optimizer step.
+* :func:`rerun_module` re-runs the first divergent module on the candidate's own inputs.
+
+Re-running a module. A forward output ``y_c = f_c(x_c)`` of the candidate differs from the reference's
 ``y_r = f_r(x_r)`` by the module's own difference plus the propagated one:
 ``y_c - y_r = [f_c(x_c) - f_r(x_c)] + [f_r(x_c) - f_r(x_r)]``. Running the *reference's*
 module on the *candidate's* traced inputs gives ``f_r(x_c)``, so the first bracket, the
@@ -26,11 +34,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from tracer.capture.optim_state import STEP_COUNT_OPTION
 from tracer.compare.blockscale import block_scales, verdict_ratio
 from tracer.compare.deviation import block_scale_applies
+from tracer.compare.judge import TensorCheck
 from tracer.compare.thresholds import DEFAULT_FALSE_ALARM, noise_threshold, unmodelled_threshold
 
-__all__ = ["LocalVerdict", "rerun_module", "split_inputs"]
+__all__ = ["LocalVerdict", "localise", "rerun_module", "split_inputs"]
 
 
 @dataclass(frozen=True)
@@ -109,3 +119,66 @@ def rerun_module(module: nn.Module, name: str, args: list[torch.Tensor], kwargs:
         err, th.threshold, [block_scales(clean, n, torch.float64) for n in noisy] if blocks else None,
         lambda: block_scales(clean, cand, torch.float64), q)
     return LocalVerdict(name, err, th.threshold, ratio, ratio > 1, scale_error, scale_threshold)
+
+
+#: phase of the first divergence -> (which rows feed it, verdict when they all agree, verdict
+#: otherwise or None)
+_UPSTREAM = {
+    "fwd": (lambda r, f: r.phase == "fwd" and r.microbatch == f.microbatch
+            and r.name.startswith(f.name.split(".output")[0] + ".input"),
+            "module {mod} is wrong: its inputs agree with the reference (worst {worst}) but its output does not",
+            "the output of {mod} diverges; its inputs diverge too or were not traced"),
+    "grad": (lambda r, f: r.phase == "grad_local" and r.name == f.name,
+             "the cross-rank reduction of {name}'s gradient is wrong: every rank's contribution agrees with "
+             "the reference (worst {worst}) but the reduced gradient does not",
+             "the gradient of {name} is already wrong before the reduction"),
+    "param": (lambda r, f: r.phase == "grad" and r.name == f.name,
+              "the optimizer update of {name} is wrong: its reduced gradient agrees with the reference "
+              "(worst {worst})", None),
+    "grad_norm": (lambda r, f: r.phase == "grad",
+                  "the grad norm is wrong although every reduced gradient agrees with the reference (worst "
+                  "{worst}): the norm computation (which shards are counted, over which group) is wrong", None),
+}
+
+
+def localise(rows: list[TensorCheck], first: TensorCheck | None) -> str:
+    """Local or propagated? Look at what fed the first divergent tensor (see module doc)."""
+    if first is None:
+        return ""
+    same = [r for r in rows if r.step == first.step]
+
+    def worst(cands: list[TensorCheck]) -> str:
+        top = max(cands, key=lambda r: r.ratio if math.isfinite(r.ratio) else 1e300)
+        return f"{top.name} at {top.ratio:.2g}x its threshold"
+
+    if first.phase == "cast":
+        return ("the model parameters are not the round-to-nearest cast of the optimizer's fp32 main copies "
+                f"({first.note or 'the candidate trace names the parameters'}): the copy from main to model "
+                "parameters rounds otherwise or copies the wrong range, or something writes to the model "
+                "parameters after it; not round-off")
+    if first.phase == "options" and first.name == f"optimizer.{STEP_COUNT_OPTION}":
+        where = "across ranks" if first.status == "replicas" else "from the reference's"
+        return (f"the optimizer's per-parameter step counts (min and max over a rank's parameters) differ {where}"
+                f"{f' ({first.note})' if first.note else ''}: a rank restarted its count (a resume that restored "
+                "the moments but not the step) or skipped or repeated an update, so its Adam bias correction "
+                "differs; not round-off")
+    if first.status == "replicas" or "replicas over" in first.note:
+        return (f"the copies of {first.name} that the candidate's metadata marks as replicated differ across "
+                f"ranks ({first.note}): a reduction over that group is missing, or a rank skipped or "
+                "repeated a collective on this tensor")
+    upstream = _UPSTREAM.get(first.phase if first.phase != "fwd" or ".output" in first.name else "")
+    if upstream is not None:
+        feeds, if_ok, otherwise = upstream
+        ins = [r for r in same if feeds(r, first)]
+        name, mod = first.name, first.name.split(".output")[0]
+        if ins and all(r.status == "ok" for r in ins):
+            return if_ok.format(name=name, mod=mod or "(root)", worst=worst(ins))
+        if otherwise:
+            return otherwise.format(name=name, mod=mod or "(root)")
+    if first.phase == "options":
+        return (f"the optimizer option {first.name.removeprefix('optimizer.')} (min and max over the param "
+                "groups) differs from the reference's: a configuration error, not round-off")
+    if first.phase == "bwd":
+        return (f"the gradient flowing into {first.name.split('.output_grad')[0]} diverges first: the "
+                "module that consumes this tensor computes a wrong backward (the forward agreed)")
+    return f"{first.name} is the first tensor over its threshold"
