@@ -56,7 +56,7 @@ def _trace(root, counts: list[int], samples: list[int] = ()) -> None:
     """One step's ``cast`` record (a reference with noise samples, or a candidate)."""
     for i, (sub, n) in enumerate([(root, counts)] + [(root / "noise" / f"sample_{j}", [s])
                                                      for j, s in enumerate(samples)]):
-        w = TraceWriter(sub, 0, 1, {"tp": 1}, "sig", run_id=f"run{i}")
+        w = TraceWriter(sub, 0, 1, {"tp": 1}, "sig", run_id=f"{root.name}{i}")
         w.add("optimizer.main_param_cast", torch.tensor(n[0], dtype=torch.int64), phase="cast", step=0,
               meta={"checked": 10, "differing": [["w", n[0], 10]] if n[0] else []})
         w.add("w", torch.ones(10), phase="param", step=0)

@@ -39,7 +39,7 @@ def _trace(root, opt: torch.optim.Optimizer, samples: int = 0) -> None:
     """One step's options, as a reference (with ``samples`` noise samples, which record the same
     options) or a candidate would trace them."""
     for i, sub in [(None, root)] + [(i, root / "noise" / f"sample_{i}") for i in range(samples)]:
-        w = TraceWriter(sub, 0, 1, {"tp": 1}, "sig", run_id="ref" if i is None else f"noise{i}")
+        w = TraceWriter(sub, 0, 1, {"tp": 1}, "sig", run_id=root.name if i is None else f"noise{i}")
         for name, t in optimizer_options(opt).items():
             w.add(f"optimizer.{name}", t, phase="options", step=0)
         w.flush_step(0)
@@ -102,7 +102,7 @@ def _trace_ranks(root, opts: list[torch.optim.Optimizer], samples: int = 0) -> N
     for i, sub in subs:
         for rank, opt in enumerate(opts):
             placement = Placement((ShardDim(None, "world", rank, world, "replicated"),) if world > 1 else ())
-            w = TraceWriter(sub, rank, world, {"dp": world}, "sig", run_id="ref" if i is None else f"noise{i}")
+            w = TraceWriter(sub, rank, world, {"dp": world}, "sig", run_id=root.name if i is None else f"noise{i}")
             for name, t in optimizer_options(opt).items():
                 w.add(f"optimizer.{name}", t, phase="options", step=0, placement=placement.to_dict())
             w.flush_step(0)

@@ -409,7 +409,7 @@ def test_entry_of_another_step_and_sparse_tensor(tmp_path):
     path.write_text(json.dumps(m))
     with pytest.raises(ManifestMismatchError, match="entry 3 is of step 5 but sits in the manifest of step 0"):
         TraceReader(tmp_path).manifest(0, 0)
-    w = TraceWriter(tmp_path, 0, 1, LAYOUT, SIG)
+    w = TraceWriter(tmp_path / "new", 0, 1, LAYOUT, SIG)  # tmp_path holds another run's trace
     with pytest.raises(TraceError, match="only dense.*tensor s"):
         w.add("s", torch.eye(3).to_sparse(), phase="fwd", step=1)
 

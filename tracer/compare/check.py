@@ -35,11 +35,13 @@ parameters themselves are compared (phase ``param``).
 """
 from __future__ import annotations
 
+import difflib
+import fnmatch
 import math
 import sys
 from collections import defaultdict
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,10 +53,20 @@ from tracer.compare.deviation import DEVIATION_FIELD, SampleMoments, combined_mo
 from tracer.compare.judge import TensorCheck, check_routed, check_stats_only, downstream_of_choices
 from tracer.compare.localise import localise
 from tracer.compare.thresholds import DEFAULT_FALSE_ALARM
-from tracer.errors import IncomparableRunsError, TraceError
+from tracer.errors import (
+    EmptyTraceError,
+    IncomparableRunsError,
+    MissingStepError,
+    NoiseSampleError,
+    NoNoiseError,
+    SameRunError,
+    SwappedTracesError,
+    TraceError,
+    UnmatchedRecordsError,
+)
 from tracer.trace.canonical import assemble
-from tracer.trace.schema import CARRIED_PHASES, PRE_UPDATE_PHASES, Entry, RecordKey, Status
-from tracer.trace.store import TraceReader
+from tracer.trace.schema import CARRIED_PHASES, CHECKED_PHASES, PRE_UPDATE_PHASES, Entry, RecordKey, Status
+from tracer.trace.store import TraceReader, manifest_path
 
 __all__ = ["Comparison", "assembled_phases", "assembled_record", "assembled_records", "compare", "few_sources",
            "makes_topk_choice", "noise_dirs", "records_by_key", "samples_restart"]
@@ -75,6 +87,11 @@ class Comparison:
     noise_samples: int
     false_alarm: float
     coverage: Coverage | None = None  # ops without a model (tracer.compare.coverage)
+    #: wrapper prefixes stripped from record names so that the traces match, per side
+    #: (``{"candidate": ["module."]}``); empty when the names matched as they are
+    stripped_prefixes: dict[str, list[str]] = field(default_factory=dict)
+    #: records left out by ``compare(skip=...)`` (``"step S phase name mb M"``, either side)
+    skipped: list[str] = field(default_factory=list)
 
     @property
     def verdict(self) -> str:
@@ -99,6 +116,7 @@ class Comparison:
                 "false_alarm_per_comparison": self.false_alarm,
                 "first_divergence": None if self.first is None else asdict(self.first),
                 "localisation": self.localisation, "unmatched": self.unmatched,
+                "stripped_prefixes": self.stripped_prefixes, "skipped": self.skipped,
                 "coverage": None if self.coverage is None else self.coverage.to_dict(),
                 "tensors": [asdict(r) for r in self.rows]}
 
@@ -185,9 +203,11 @@ def _progress(total: int, enabled: bool):
 
 
 def _noise_samples(readers: list[TraceReader], entries: list[Entry | None], step: int,
-                   ref_e: Entry) -> "list[torch.Tensor] | SampleMoments":
+                   ref_e: Entry, ref_t: torch.Tensor | None = None) -> "list[torch.Tensor] | SampleMoments":
     """One tensor's noise samples: whole tensors, or their moments when the samples were stored
-    as moments (:mod:`tracer.compare.deviation`); ``[]`` when a sample lacks the tensor."""
+    as moments (:mod:`tracer.compare.deviation`); ``[]`` when a sample lacks the tensor. With
+    ``ref_t`` (the clean reference's tensor), a sample with NaN/Inf where it has none is refused
+    (:class:`~tracer.errors.NoiseSampleError`)."""
     if not entries or any(e is None for e in entries):
         return []
     as_moments = [DEVIATION_FIELD in e.extra for e in entries]
@@ -196,14 +216,165 @@ def _noise_samples(readers: list[TraceReader], entries: list[Entry | None], step
                          "of one reference run", path=readers[as_moments.index(True)].root, step=step,
                          tensor=ref_e.name)
     stored = [n.load(step, 0, e.key) for n, e in zip(readers, entries)]
+    if ref_t is not None:
+        _refuse_nonfinite_noise(readers, entries, stored, step, ref_e, ref_t)
     if not all(as_moments):
         return stored
     return combined_moments(entries, stored, ref_e, readers[0].root.parent, step)
 
 
+#: wrapper segments a framework inserts into module names (torch.compile, FSDP, activation
+#: checkpointing), stripped anywhere in a name; ``module`` (DDP, DataParallel) only at its start
+WRAPPER_SEGMENTS = ("_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module")
+LEADING_WRAPPERS = ("module",) + WRAPPER_SEGMENTS
+
+
+def strip_wrappers(name: str) -> tuple[str, tuple[str, ...]]:
+    """``name`` without the wrappers' segments (:data:`WRAPPER_SEGMENTS`, and ``module`` leading it)
+    and the prefixes removed (``"module."``, ...), e.g. ``module.layers.0._checkpoint_wrapped_module.attn``
+    -> ``layers.0.attn``, ``("module.", "_checkpoint_wrapped_module.")``."""
+    parts = name.split(".")
+    kept: list[str] = []
+    removed: list[str] = []
+    leading = True
+    for i, part in enumerate(parts):
+        last = i == len(parts) - 1
+        if not last and ((leading and part in LEADING_WRAPPERS) or part in WRAPPER_SEGMENTS):
+            removed.append(part + ".")
+            continue
+        leading = False
+        kept.append(part)
+    return ".".join(kept), tuple(dict.fromkeys(removed))
+
+
+def _skipped(key: RecordKey, patterns: list[str]) -> bool:
+    return any(fnmatch.fnmatchcase(f"{key.phase} {key.name}", p) or fnmatch.fnmatchcase(key.name, p)
+               for p in patterns)
+
+
+def _renamed(index: dict[RecordKey, dict[int, Entry]]) -> tuple[dict[RecordKey, RecordKey], set[str]] | None:
+    """key -> key with its name's wrappers stripped, and the prefixes removed; None when stripping
+    makes two records one."""
+    out, removed = {}, set()
+    for k in index:
+        name, gone = strip_wrappers(k.name)
+        out[k] = k._replace(name=name)
+        removed.update(gone)
+    return (out, removed) if len(set(out.values())) == len(out) else None
+
+
+def _match(ref_idx: dict[RecordKey, dict[int, Entry]], cand_idx: dict[RecordKey, dict[int, Entry]]
+           ) -> tuple[dict[RecordKey, dict[int, Entry]], dict[RecordKey, dict[int, Entry]], dict[str, set[str]]]:
+    """The two sides' records keyed alike: as they are when the checked ones match, else with the
+    wrappers' segments stripped from both sides' names where that makes them match (the prefixes
+    removed, per side, in the third value); as they are when stripping does not help."""
+    checked = lambda idx: {k for k in idx if k.phase in CHECKED_PHASES}
+    if checked(ref_idx) == checked(cand_idx):
+        return ref_idx, cand_idx, {}
+    rr, cr = _renamed(ref_idx), _renamed(cand_idx)
+    if rr is None or cr is None:
+        return ref_idx, cand_idx, {}
+    ref2 = {rr[0][k]: v for k, v in ref_idx.items()}
+    cand2 = {cr[0][k]: v for k, v in cand_idx.items()}
+    if checked(ref2) != checked(cand2):
+        return ref_idx, cand_idx, {}
+    removed = {side: prefixes for side, prefixes in (("reference", rr[1]), ("candidate", cr[1])) if prefixes}
+    return ref2, cand2, removed
+
+
+def _unmatched_error(reference: str | Path, candidate: str | Path, step: int, only_ref: list[RecordKey],
+                     only_cand: list[RecordKey], ref_keys: Iterable[RecordKey], cand_keys: Iterable[RecordKey]
+                     ) -> UnmatchedRecordsError:
+    """The one-paragraph refusal of records of a checked phase that one trace lacks."""
+    ref_names = sorted({k.name for k in ref_keys})
+    cand_names = sorted({k.name for k in cand_keys})
+    shown = lambda ks: ", ".join(f"'{k}'" for k in ks[:3]) + (f" and {len(ks) - 3} more" if len(ks) > 3 else "")
+    parts = [f"reference {str(reference)!r} and candidate {str(candidate)!r} do not trace the same tensors at "
+             f"step {step}, even with the known wrapper prefixes ({', '.join(p + '.' for p in LEADING_WRAPPERS)}) "
+             "stripped:"]
+    if only_ref:
+        parts.append(f"{len(only_ref)} records only in the reference ({shown(only_ref)})")
+    if only_cand:
+        parts.append(f"{len(only_cand)} only in the candidate ({shown(only_cand)})")
+    close = []
+    for k, pool in [(k, cand_names) for k in only_ref[:2]] + [(k, ref_names) for k in only_cand[:2]]:
+        near = difflib.get_close_matches(k.name, pool, n=2, cutoff=0.5)
+        side = "the candidate" if pool is cand_names else "the reference"
+        close.append(f"'{k.name}' ~ {', '.join(repr(n) for n in near)} in {side}" if near else
+                     f"'{k.name}' has no close name in {side}")
+    msg = "; ".join(parts[1:])
+    return UnmatchedRecordsError(
+        f"{parts[0]} {msg}; closest names: {'; '.join(close)}. A verdict over the records both traced would "
+        "hide the rest: trace the same modules and phases in both runs (the same model, the same integration "
+        "and capture options, the module names as the reference has them), or, if leaving those records out "
+        "is intended, name them with compare(skip=[...]) (fnmatch patterns over 'phase name' or the name).",
+        path=candidate, step=step)
+
+
+def _refuse_swapped_or_same(ref: TraceReader, cand: TraceReader, noisy: list[TraceReader]) -> None:
+    """The refusals that need no record: swapped traces, the candidate or a noise sample being the
+    reference itself (same directory or run id), no noise samples."""
+    if ref.root.resolve() == cand.root.resolve() or (ref.run_id and ref.run_id == cand.run_id):
+        how = "are the same directory" if ref.root.resolve() == cand.root.resolve() else \
+            f"are of the same run (run id {ref.run_id!r}; a copy of one trace?)"
+        raise SameRunError(f"reference {str(ref.root)!r} and candidate {str(cand.root)!r} {how}: comparing a run "
+                           "with itself says nothing; give the reference (the single-device run with noise samples) "
+                           "first, then the candidate traced by the run under test", path=cand.root)
+    if ref.world_size > 1:
+        raise SwappedTracesError(f"reference {str(ref.root)!r} was traced on {ref.world_size} ranks: the reference is "
+                                 "the single-device run with noise samples; is this the candidate (reference and "
+                                 f"candidate swapped)? the candidate {str(cand.root)!r} has {cand.world_size} "
+                                 "rank(s)", path=ref.root)
+    if not noisy:
+        has = bool(noise_dirs(cand.root))
+        raise NoNoiseError(f"reference {str(ref.root)!r} has no noise samples (no noise/sample_*/run.json, and "
+                           "none given with noise=): without them every threshold would be meaningless; record "
+                           "them with the reference (tracer.capture.noise_sampler.NoiseSampler) or pass their "
+                           "directories as noise=" + (" (the candidate has noise samples: reference and "
+                                                      "candidate swapped?)" if has else ""), path=ref.root)
+    for n in noisy:
+        for what, other in (("the reference", ref), ("the candidate", cand)):
+            if n.root.resolve() == other.root.resolve() or (n.run_id and n.run_id == other.run_id):
+                how = "is" if n.root.resolve() == other.root.resolve() else \
+                    f"has the run id {n.run_id!r} of"
+                raise SameRunError(f"noise sample {str(n.root)!r} {how} {what} ({str(other.root)!r}), not a noise "
+                                   "sample: a sample is a separate perturbed run of the reference, "
+                                   "reference/noise/sample_K; pass those (or leave noise= out)", path=n.root)
+        if n.world_size != 1:
+            raise SameRunError(f"noise sample {str(n.root)!r} was traced on {n.world_size} ranks; a noise sample "
+                               "is a single-device run of the reference (reference/noise/sample_K)", path=n.root)
+
+
+def _refuse_nonfinite_noise(readers: list[TraceReader], entries: list[Entry], stored: list[torch.Tensor],
+                            step: int, ref_e: Entry, ref_t: torch.Tensor) -> None:
+    """A noise sample with NaN/Inf where the clean reference has none (its manifest statistics,
+    or the stored sample or moments) would make the threshold meaningless: refused."""
+    ref_stats = ref_e.stats or {}
+    ref_bad = int(ref_stats.get("nan_count") or 0) + int(ref_stats.get("inf_count") or 0)
+    floating = ref_t.is_floating_point()
+    ref_finite = bool(torch.isfinite(ref_t).all()) if floating else True
+    for n, e, t in zip(readers, entries, stored):
+        st = e.stats or {}
+        found = int(st.get("nan_count") or 0) + int(st.get("inf_count") or 0) > ref_bad and ref_finite
+        if not found and t.is_floating_point():
+            if DEVIATION_FIELD in e.extra:  # moments: finite wherever the reference is
+                found = ref_finite and not bool(torch.isfinite(t).all())
+            elif t.shape == ref_t.shape and floating:
+                found = bool((~torch.isfinite(t) & torch.isfinite(ref_t)).any())
+        if found:
+            raise NoiseSampleError(
+                f"noise sample {str(n.root)!r} holds NaN/Inf in tensor '{ref_e.name}' ({ref_e.phase}, mb "
+                f"{ref_e.microbatch}) at step {step} (its manifest: {st.get('nan_count', '?')} NaN, "
+                f"{st.get('inf_count', '?')} Inf) where the clean reference has none: a threshold from it would "
+                "be meaningless (one corrupted value can raise a threshold by orders of magnitude and hide a "
+                "bug); re-record that noise sample or leave it out of noise=",
+                path=manifest_path(n.root, step, 0), step=step, tensor=ref_e.name)
+
+
 def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str | Path] | None = None,
             steps: Iterable[int] | None = None, false_alarm: float = DEFAULT_FALSE_ALARM,
-            progress: bool = False, block_scale: bool = True, accept_unmodelled: bool = False) -> Comparison:
+            progress: bool = False, block_scale: bool = True, accept_unmodelled: bool = False,
+            skip: Iterable[str] | None = None) -> Comparison:
     """Check ``candidate`` against ``reference`` (trace directories); see the module docstring.
 
     ``noise``: noise-sample trace directories (default: ``reference/noise/sample_*``).
@@ -220,19 +391,45 @@ def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str
     ``accept_unmodelled``: tensors recorded after an op without an error model (the noise
     samples' census, :mod:`tracer.compare.coverage`) stay ``ok``; by default they get the status
     ``unmodelled`` and the verdict is ``unverified`` instead of ``consistent``.
+    ``skip``: fnmatch patterns over ``"phase name"`` or a record's name (e.g. ``"fwd *.dropout.*"``,
+    ``"grad_norm *"``): those records are left out on both sides (listed in ``skipped``).
+
+    Fails closed: raises a :class:`~tracer.errors.RefusedComparisonError` (one paragraph naming the
+    files, what was found and what to do) rather than report a verdict over less than asked for:
+    a record of a checked phase (:data:`~tracer.trace.schema.CHECKED_PHASES`) in one trace only,
+    after the wrapper prefixes (``module.``, ``_orig_mod.``, ``_fsdp_wrapped_module.``,
+    ``_checkpoint_wrapped_module.``) are stripped (which ones were is in ``stripped_prefixes``) and
+    ``skip`` applied (:class:`~tracer.errors.UnmatchedRecordsError`); a requested step missing on a
+    side (:class:`~tracer.errors.MissingStepError`); a candidate without tensors
+    (:class:`~tracer.errors.EmptyTraceError`); no noise samples (:class:`~tracer.errors.NoNoiseError`);
+    a multi-rank reference (:class:`~tracer.errors.SwappedTracesError`); the candidate or a noise
+    sample being the reference (same directory or run id, :class:`~tracer.errors.SameRunError`);
+    a noise sample with NaN/Inf where the reference has none (:class:`~tracer.errors.NoiseSampleError`).
     Raises :class:`~tracer.errors.IncomparableRunsError` when the traces are of different
     models or share no step, and :class:`~tracer.errors.TraceError` (naming file, rank,
-    step and tensor) for missing ranks and corrupt files. NaN/Inf are findings (status
+    step and tensor) for missing ranks and corrupt files (a checksum mismatch:
+    :class:`~tracer.errors.CorruptTraceError`). NaN/Inf in the candidate are findings (status
     ``nonfinite``), never exceptions.
     """
     ref, cand = TraceReader(reference), TraceReader(candidate)
     dirs = list(noise) if noise is not None else noise_dirs(reference)
     noisy_readers = [TraceReader(d) for d in dirs]
+    patterns = [str(p) for p in (skip or ())]
     if ref.model_signature != cand.model_signature:
         raise IncomparableRunsError([f"model signature: reference {ref.model_signature!r} ({ref.root}), "
                                      f"candidate {cand.model_signature!r} ({cand.root})"])
+    _refuse_swapped_or_same(ref, cand, noisy_readers)
     common = sorted(set(ref.steps()) & set(cand.steps()))
-    wanted = common if steps is None else [s for s in steps if s in common]
+    if steps is None:
+        wanted = common
+    else:
+        wanted = sorted(set(int(s) for s in steps))
+        missing = [s for s in wanted if s not in common]
+        if missing:
+            raise MissingStepError(f"step(s) {missing} requested but not traced by both: reference "
+                                   f"{str(ref.root)!r} has steps {ref.steps()}, candidate {str(cand.root)!r} has "
+                                   f"steps {cand.steps()}; ask for steps both traced (common: {common}) or "
+                                   "re-trace the missing ones", path=cand.root)
     unmatched = [f"step {s}: only in the {'reference' if s in ref.steps() else 'candidate'}"
                  for s in sorted(set(ref.steps()) ^ set(cand.steps()))]
     if not wanted:
@@ -244,16 +441,41 @@ def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str
     for s in wanted:
         cand.validate([s])
         ref.validate([s])
+    if not any(cand.entries(s, r) for s in wanted for r in cand.ranks(s)):
+        raise EmptyTraceError(f"candidate {str(cand.root)!r} holds no tensors at step(s) {wanted} (its manifests "
+                              "list no entry): 'consistent' would mean nothing; check that the candidate's "
+                              "integration traced (hooks attached, steps flushed) before comparing", path=cand.root)
     plan = []
+    stripped: dict[str, set[str]] = {}
+    skipped: list[str] = []
     for s in wanted:
         ref_idx, cand_idx = _compared(ref, s), _compared(cand, s)
         noise_idx = [records_by_key(n, s) if s in n.steps() else {} for n in noisy_readers]
+        if patterns:
+            for idx in (ref_idx, cand_idx):
+                for k in [k for k in idx if _skipped(k, patterns)]:
+                    skipped.append(f"step {s} {k} ({'reference' if idx is ref_idx else 'candidate'})")
+                    del idx[k]
+        ref_idx, cand_idx, removed = _match(ref_idx, cand_idx)
+        if removed:  # both sides' names were stripped: the noise samples', named as the reference's, too
+            noise_idx = [{ren[0][k]: v for k, v in ni.items()} if (ren := _renamed(ni)) else ni for ni in noise_idx]
+        for side, prefixes in removed.items():
+            stripped.setdefault(side, set()).update(prefixes)
+        only_ref = sorted(k for k in set(ref_idx) - set(cand_idx) if k.phase in CHECKED_PHASES)
+        only_cand = sorted(k for k in set(cand_idx) - set(ref_idx) if k.phase in CHECKED_PHASES)
+        if only_ref or only_cand:
+            raise _unmatched_error(reference, candidate, s, only_ref, only_cand, ref_idx, cand_idx)
         for k in sorted(set(ref_idx) ^ set(cand_idx)):
             unmatched.append(f"step {s} {k}: only in the "
                              f"{'reference' if k in ref_idx else 'candidate'}")
         for k, ents in ref_idx.items():
             if k in cand_idx:
                 plan.append((s, k, ents[0], cand_idx[k], [ni.get(k, {}).get(0) for ni in noise_idx]))
+    if not plan:
+        raise EmptyTraceError(f"nothing to compare between reference {str(ref.root)!r} and candidate "
+                              f"{str(cand.root)!r} at step(s) {wanted}"
+                              + (f" once skip={patterns} left out {len(skipped)} records" if skipped else "")
+                              + ": 'consistent' would mean nothing", path=cand.root)
     plan.sort(key=lambda p: (p[0], p[2].index))
     per_tensor = false_alarm / max(len(plan), 1)  # Bonferroni: family-wise over the comparison
     restarted = samples_restart(noisy_readers)
@@ -263,7 +485,7 @@ def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str
     changed: dict[tuple[int, str, int, int], ChoiceChange] = {}  # top-k choices that differ, per module call
     for s, k, ref_e, cand_entries, noise_es in plan:
         ref_t = ref.load(s, 0, ref_e.key)
-        noisy = _noise_samples(noisy_readers, noise_es, s, ref_e)
+        noisy = _noise_samples(noisy_readers, noise_es, s, ref_e, ref_t)
         cap = few_sources(k.phase, restarted, routes.get(s, False))
         if cand.manifest(s, next(iter(cand_entries)))["mode"] == "stats":
             rows.append(check_stats_only(s, k, ref_e, ref_t, cand_entries, noisy, per_tensor, few_sources=cap))
@@ -280,7 +502,8 @@ def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str
     coverage = mark_unmodelled(rows, [p[4] for p in plan], noisy_readers, accept_unmodelled)
     first = next((r for r in rows if r.status not in (Status.OK, Status.UNCHECKED, Status.UNMODELLED)), None)
     return Comparison(str(reference), str(candidate), cand.run.get("layout", {}), rows, first,
-                      localise(rows, first), unmatched, len(noisy_readers), false_alarm, coverage)
+                      localise(rows, first), unmatched, len(noisy_readers), false_alarm, coverage,
+                      {side: sorted(p) for side, p in stripped.items()}, skipped)
 
 
 def assembled_records(trace: str | Path, step: int, phase: str, microbatch: int, prefix: str

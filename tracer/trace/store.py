@@ -28,8 +28,11 @@ import math
 import operator
 import os
 import re
+import socket
 import tempfile
+import uuid
 import warnings
+import weakref
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,6 +41,7 @@ from typing import Any, NamedTuple
 
 import orjson
 import torch
+import xxhash
 from safetensors import SafetensorError, safe_open
 
 from tracer.errors import (
@@ -45,6 +49,7 @@ from tracer.errors import (
     IncomparableRunsError,
     ManifestMismatchError,
     MissingRankError,
+    TraceDirectoryInUseError,
     TraceError,
     TraceWriteError,
 )
@@ -87,6 +92,64 @@ def tensor_path(root: str | Path, step: int, rank: int) -> Path:
 def manifest_path(root: str | Path, step: int, rank: int) -> Path:
     """Manifest of one rank and step."""
     return step_dir(root, step) / f"rank_{rank:05d}.json"
+
+
+def lock_path(root: str | Path, rank: int) -> Path:
+    """The lock file a writer of ``rank`` holds while it writes ``root``: ``root/.rank_{rank:05d}.lock``."""
+    return Path(root) / f".rank_{rank:05d}.lock"
+
+
+def checksum(t: torch.Tensor) -> str:
+    """The 64-bit xxh3 hash (16 hex digits) of the bytes a safetensors file stores for ``t``: its
+    elements in C order, as in memory (little-endian). ``t`` is a contiguous CPU tensor (what the
+    writer stores, what ``safe_open`` returns); hashed through a byte view, without a copy."""
+    t = t.detach()
+    if t.device.type != "cpu" or not t.is_contiguous():
+        t = t.to("cpu").contiguous()
+    if t.numel() == 0:
+        return xxhash.xxh3_64_hexdigest(b"")
+    data = t.reshape(-1).view(torch.uint8).numpy()
+    return xxhash.xxh3_64_hexdigest(data)
+
+
+def _new_run_id(world_size: int, rank: int, root: Path) -> str:
+    """A run id shared by every rank of one run: with ``torch.distributed`` initialised on a world of
+    ``world_size`` processes, rank 0's fresh uuid4, broadcast to the others (a collective: every rank
+    creates its writer); else a fresh uuid4, except that a rank > 0 of a multi-rank trace written
+    without ``torch.distributed`` (ranks written one after another, e.g. in one process) takes the id
+    rank 0 wrote to ``run.json``."""
+    dist = torch.distributed
+    if world_size > 1 and dist.is_available() and dist.is_initialized() and dist.get_world_size() == world_size:
+        box = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return str(box[0])
+    if rank > 0:
+        try:
+            run = orjson.loads((root / RUN_FILE).read_bytes())
+            if isinstance(run, dict) and run.get("run_id") and run.get("world_size") == world_size:
+                return str(run["run_id"])
+        except (OSError, ValueError):
+            pass
+    return uuid.uuid4().hex
+
+
+def _release_lock(path: Path, token: str) -> None:
+    """Remove a writer's lock file if it is still the one it created (its token inside)."""
+    try:
+        if token in path.read_text():
+            path.unlink()
+    except OSError:
+        pass
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -273,8 +336,15 @@ class TraceWriter:
     ``layout`` is the parallel layout (e.g. ``{"tp": 2, "pp": 1, "dp": 2}``), JSON-
     serialisable; ``model_signature`` identifies the model (architecture, config
     hash, ...) so that traces of different models are never compared; ``run_id``
-    (optional) identifies the run, so that stale files of an older run in the same
-    directory are detected. Rank 0 writes ``root/run.json``.
+    identifies the run, so that files of another run in the same directory are detected: when
+    none is given, one is generated (a uuid4; with ``torch.distributed`` initialised on
+    ``world_size`` processes rank 0's, broadcast to every rank, so that creating the writer is
+    then a collective; without it a rank > 0 takes the id of the ``run.json`` rank 0 wrote).
+    Rank 0 writes ``root/run.json``. A writer refuses a directory whose ``run.json`` names
+    another run while step directories exist, and holds ``root/.rank_{rank:05d}.lock`` (created
+    exclusively, removed by ``close``) so that a second writer of the same rank is refused
+    (:class:`~tracer.errors.TraceDirectoryInUseError`). Every stored tensor's bytes get an xxh3-64
+    checksum in its manifest entry, verified by :meth:`TraceReader.load`.
 
     Tensors are copied (``detach`` + copy to CPU) when added; the training tensors
     are never modified. In ``mode="stats"`` only their statistics are kept: a tensor of at
@@ -319,16 +389,84 @@ class TraceWriter:
         self.layout = _jsonable(dict(layout), "layout")
         self.run_meta = _jsonable(dict(run_meta or {}), "run_meta")
         self.model_signature = str(model_signature)
-        self.run_id = str(run_id)
         self.mode = mode
         self.stage = stage
         self._pending: dict[int, dict[int, _Buffered]] = {}
         self._flushed: set[int] = set()
-        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"trace-writer-rank{rank}") if background else None
         self._in_flight: tuple[int, dict[int, _Buffered], Future] | None = None
-        self.root.mkdir(parents=True, exist_ok=True)
+        self._lock: tuple[Path, str] | None = None
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise TraceWriteError(f"cannot create the trace directory: {exc.strerror or exc}",
+                                  path=self.root, rank=rank) from exc
+        self.run_id = str(run_id) or _new_run_id(world_size, rank, self.root)
+        self._refuse_another_run()
+        self._acquire_lock()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"trace-writer-rank{rank}") if background else None
         if rank == 0:
             self._write_run_file()
+
+    def _refuse_another_run(self) -> None:
+        """Refuse a directory whose ``run.json`` names another run while step directories exist (a
+        trace of another run is there: its steps would mix with this run's)."""
+        path = self.root / RUN_FILE
+        try:
+            run = orjson.loads(path.read_bytes())
+        except (OSError, ValueError):
+            return
+        other = run.get("run_id") if isinstance(run, dict) else None
+        if other == self.run_id:
+            return
+        steps = sorted(p.name for p in self.root.iterdir() if p.is_dir() and _STEP_RE.match(p.name))
+        if steps:
+            raise TraceDirectoryInUseError(
+                f"a trace of another run is in this directory (run.json names run id {other!r}, this writer's "
+                f"run id is {self.run_id!r}; {len(steps)} step directories, e.g. {steps[0]}): its steps would "
+                "mix with this run's; choose another trace directory, or delete the old trace (the directory "
+                "and everything in it) if it is no longer needed", path=path, rank=self.rank)
+
+    def _acquire_lock(self) -> None:
+        """Create ``root/.rank_{rank}.lock`` (``O_EXCL``): one writer per rank and directory. It holds
+        this process's pid, host and run id, and is removed by :meth:`close` (or when the writer is
+        garbage-collected)."""
+        if self._lock is not None:
+            return
+        path = lock_path(self.root, self.rank)
+        token = f"{uuid.uuid4().hex}"
+        body = orjson.dumps({"pid": os.getpid(), "host": socket.gethostname(), "run_id": self.run_id,
+                             "rank": self.rank, "token": token})
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            try:
+                holder = orjson.loads(path.read_bytes())
+            except (OSError, ValueError):
+                holder = {}
+            holder = holder if isinstance(holder, dict) else {}
+            pid, host = holder.get("pid"), holder.get("host")
+            stale = ""
+            if host == socket.gethostname() and isinstance(pid, int) and not _pid_alive(pid):
+                stale = f" (no process {pid} runs on this host now: the lock is stale, left by a writer that died)"
+            raise TraceDirectoryInUseError(
+                f"another writer of rank {self.rank} is writing this trace directory: its lock file is held by "
+                f"process {pid} on host {host!r} (run id {holder.get('run_id')!r}){stale}; two writers of one "
+                "rank would overwrite each other's steps: give this run another trace directory, or, if "
+                f"that process is dead, delete the lock file {path}", path=path, rank=self.rank) from None
+        except OSError as exc:
+            raise TraceWriteError(f"cannot create the writer's lock file: {exc.strerror or exc}; fix permissions "
+                                  "of the trace directory", path=path, rank=self.rank) from exc
+        try:
+            os.write(fd, body)
+        finally:
+            os.close(fd)
+        self._lock = (path, token)
+        self._lock_finalizer = weakref.finalize(self, _release_lock, path, token)
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock_finalizer()
+            self._lock = None
 
     def run_info(self) -> dict[str, Any]:
         """The content of ``run.json``."""
@@ -435,6 +573,7 @@ class TraceWriter:
         ``close``, with the step buffered again.
         """
         step = operator.index(step)
+        self._acquire_lock()  # again, after a close
         entries = [e for _, e in sorted(self._pending.get(step, {}).items())]
         if self._executor is None:
             path = self._write_step(step, entries)
@@ -489,6 +628,8 @@ class TraceWriter:
         try:
             sdir.mkdir(parents=True, exist_ok=True)
             if self.mode == "full":
+                for b in entries:  # the stored bytes' hash, verified on every load
+                    b.entry["checksum"] = checksum(b.stored)
                 metadata = {"schema_version": str(SCHEMA_VERSION), "model_signature": self.model_signature,
                             "run_id": self.run_id, "rank": str(self.rank), "step": str(step)}
                 size = _write_safetensors_atomic(tpath, {b.entry["key"]: b.stored for b in entries}, metadata)
@@ -510,10 +651,12 @@ class TraceWriter:
         return mpath
 
     def close(self) -> None:
-        """Flush every pending step and wait until everything is on disk."""
+        """Flush every pending step, wait until everything is on disk and release the writer's lock
+        (kept while a step could not be written, so that it can be retried)."""
         for step in self.pending_steps():
             self.flush_step(step)
         self.wait()
+        self._release()
 
     def __enter__(self) -> TraceWriter:
         return self
@@ -527,6 +670,7 @@ class TraceWriter:
             except Exception as write_error:
                 warnings.warn(f"the trace writer of rank {self.rank} could not write a step while the run "
                               f"failed: {write_error}", RuntimeWarning, stacklevel=2)
+        self._release()
 
 
 class TraceReader:
@@ -561,6 +705,11 @@ class TraceReader:
     @property
     def model_signature(self) -> str:
         return str(self.run["model_signature"])
+
+    @property
+    def run_id(self) -> str:
+        """The run's id (``""`` in a trace written before every run had one)."""
+        return str(self.run.get("run_id", ""))
 
     @staticmethod
     def _read_json(path: Path, rank: int | None, step: int | None) -> dict[str, Any]:
@@ -628,6 +777,12 @@ class TraceReader:
                                 ("world_size", self.world_size),
                                 ("layout", self.run["layout"]),
                                 ("schema_version", SCHEMA_VERSION)):
+            if field == "run_id" and m[field] != expected:
+                raise ManifestMismatchError(
+                    f"this manifest was written by run {m[field]!r} but run.json names run {expected!r}: ranks or "
+                    "steps of different runs are mixed in this trace directory (a copied file, or two runs writing "
+                    "one directory); re-run the trace into an empty directory",
+                    path=path, rank=rank, step=step)
             if m.get(field, expected) != expected:
                 raise ManifestMismatchError(
                     f"manifest field {field!r} is {m[field]!r} but the run (run.json / file path) says "
@@ -648,6 +803,9 @@ class TraceReader:
                 raise ManifestMismatchError(f"entry {i} is of step {e['step']} but sits in the manifest "
                                             f"of step {step}", path=path, rank=rank, step=step,
                                             tensor=e["key"])
+            if not isinstance(e.get("checksum", ""), str) and e.get("checksum") is not None:
+                raise CorruptTraceError(f"entry {i}'s checksum is not a string", path=path, rank=rank,
+                                        step=step, tensor=e["key"])
             if e["key"] in keys:
                 raise CorruptTraceError(f"entry {i} repeats a key", path=path, rank=rank, step=step,
                                         tensor=e["key"])
@@ -731,6 +889,14 @@ class TraceReader:
             raise ManifestMismatchError(f"file holds {_dtype_name(t.dtype)}{list(t.shape)}, manifest "
                                         f"says {entry.dtype}{list(entry.shape)}", path=path, rank=rank,
                                         step=step, tensor=key)
+        if entry.checksum is not None:
+            actual = checksum(t)
+            if actual != entry.checksum:
+                raise CorruptTraceError(
+                    f"the stored bytes of tensor {key!r} (rank {rank}, step {step}) do not match their checksum: "
+                    f"the manifest says xxh3_64 {entry.checksum}, the file's bytes hash to {actual}; the file "
+                    "was corrupted after it was written (storage or copy error): re-run the trace or drop this "
+                    "step", path=path, rank=rank, step=step, tensor=key)
         return t
 
     def verify(self, step: int, rank: int) -> None:
@@ -748,9 +914,12 @@ class TraceReader:
         except (SafetensorError, OSError) as exc:
             raise self._corrupt(path, rank, step, None, exc) from exc
         if meta.get("rank") != str(rank) or meta.get("step") != str(step) or \
-                meta.get("model_signature") != self.model_signature:
+                meta.get("model_signature") != self.model_signature or \
+                meta.get("schema_version") != str(SCHEMA_VERSION) or \
+                meta.get("run_id", "") != str(self.run.get("run_id", "")):
             raise ManifestMismatchError(f"file header says rank {meta.get('rank')}, step "
-                                        f"{meta.get('step')}, model {meta.get('model_signature')!r}: "
+                                        f"{meta.get('step')}, model {meta.get('model_signature')!r}, run id "
+                                        f"{meta.get('run_id')!r} (run.json: run id {self.run.get('run_id', '')!r}): "
                                         "the file was moved or belongs to another run",
                                         path=path, rank=rank, step=step)
         listed = {e.key for e in self.entries(step, rank)}
