@@ -37,7 +37,22 @@ from tracer.capture.noise_sampler import NoiseSampler
 from tracer.capture.resync import candidate_state, load_state
 from tracer.trace.store import TraceWriter
 
-__all__ = ["main", "reference_noise", "signature", "trace_worker", "trace_job"]
+__all__ = ["TORCH_PARALLEL_ACCEPTED", "main", "reference_noise", "signature", "trace_worker", "trace_job"]
+
+
+#: ops of the harness's model without an error model, accepted unperturbed (by torch name,
+#: wherever they occur), and why; the comparison lists them (:mod:`tracer.compare.coverage`)
+_ROPE = "the rotary angles (ring_attention.rope_angles): a function of the positions alone, the same in every run"
+_MOE = ("the mixture of experts' routing weights and switch aux loss (moe.py): not perturbed; its clean runs "
+        "were measured within their thresholds without it (docs/detection.md)")
+TORCH_PARALLEL_ACCEPTED = {
+    "torch.Tensor.__rpow__": _ROPE, "torch.Tensor.__rtruediv__": _ROPE, "torch.Tensor.cos": _ROPE,
+    "torch.Tensor.sin": _ROPE,
+    "torch.Tensor.__pow__": "the loss, sum((y - target)^2) / n in fp32 (model.py): its square and sum are not "
+                            "perturbed",
+    "torch.Tensor.sum": "the loss's fp32 sum over every element (model.py, see torch.Tensor.__pow__)",
+    "torch.Tensor.div": _MOE, "torch.Tensor.index_add": _MOE, "torch.Tensor.index_add_": _MOE, "torch.sum": _MOE,
+}
 
 
 def signature(layout: Layout, dtype: str, seed: int) -> str:
@@ -52,9 +67,11 @@ def reference_noise(split: int, dtype: str, layout: Layout) -> dict[str, Any]:
     megatron's reference uses (:func:`tracer.adapters.megatron.injector_models`: split GEMMs and
     parameter-gradient sums, variance-matched GEMMs and fp32 sums; bound-sized bf16 GEMM noise
     for a mixture of experts), and with FP8 the FP8 GEMM's autograd Function runs its
-    backward under the injector."""
+    backward under the injector. The ops of the model without an error model are accepted
+    unperturbed (:data:`TORCH_PARALLEL_ACCEPTED`, with their reasons: :mod:`ttrace_num.propagate.census`)."""
     from tracer.adapters.megatron import injector_models
-    kw: dict[str, Any] = {"injector_kwargs": injector_models(split, dtype, routed=layout.moe)}
+    kw: dict[str, Any] = {"injector_kwargs": {**injector_models(split, dtype, routed=layout.moe),
+                                              "accepted": dict(TORCH_PARALLEL_ACCEPTED)}}
     if layout.fp8:
         from examples.torch_parallel.fp8 import Fp8LinearFunction
         kw["custom_functions"] = (Fp8LinearFunction,)

@@ -23,20 +23,75 @@ their noise amplitudes (:mod:`ttrace_num.propagate.memo`): the first sample comp
 local bound, the others reuse it where their operands match (and recompute only the rows of a
 GEMM's bound whose operand rows moved), which makes a sample after the first several times
 cheaper.
+
+Coverage: each sample's injector counts the torch calls it saw (:mod:`ttrace_num.propagate.census`:
+perturbed, exact, unmodelled), and the sample's ``run.json`` meta holds the counts summed over
+its steps as ``ops``: ``{"perturbed": {name: calls}, "exact": {...}, "unmodelled": {...}}``. A
+traced record taken after an unmodelled call gets ``unmodelled_before`` (the number of
+unmodelled calls of the sample so far: since its first step, or since the step's start when
+the samples restart every step) in its meta, which :mod:`tracer.compare.coverage` reads. The
+optimizer's ``step()`` is marked (``NoiseInjector.optimizer_step``): unmodelled ops inside it
+are counted as ``optimizer``, not ``unmodelled`` (the census module states the assumption).
+The tracer's own work in the sample's writer (copies, statistics, the flush) runs with torch
+functions disabled: neither perturbed nor counted.
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from tracer.compare.coverage import ACCEPTED_META, OPS_META, UNMODELLED_META
 from tracer.compare.deviation import MomentAccumulator, MomentWriter
 from tracer.trace.store import TraceWriter
 
 __all__ = ["NoiseSampler", "StateSnapshot"]
+
+
+class _CensusWriter:
+    """A sample's writer whose records carry :data:`UNMODELLED_META` when unmodelled calls
+    preceded them (``count()``); everything else is the wrapped writer's."""
+
+    def __init__(self, writer: TraceWriter, count: Callable[[], int]) -> None:
+        self._writer, self._count = writer, count
+
+    def add(self, name: str, tensor: torch.Tensor, **kw: Any) -> str:
+        n = self._count()
+        if n:
+            kw["meta"] = {**(kw.get("meta") or {}), UNMODELLED_META: n}
+        with torch._C.DisableTorchFunction():  # the tracer's own work: not the run's ops
+            return self._writer.add(name, tensor, **kw)
+
+    def flush_step(self, step: int) -> Path:
+        with torch._C.DisableTorchFunction():
+            return self._writer.flush_step(step)
+
+    def __getattr__(self, attr: str) -> Any:
+        return getattr(self._writer, attr)
+
+
+@contextlib.contextmanager
+def _optimizer_marked(optimizer: Any, injector: Any) -> Iterator[None]:
+    """``optimizer.step()`` runs inside ``injector.optimizer_step()`` (an instance attribute,
+    removed afterwards; one set before, e.g. by an LR scheduler, is put back)."""
+    had = "step" in vars(optimizer)
+    orig = optimizer.step
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        with injector.optimizer_step():
+            return orig(*args, **kwargs)
+    optimizer.step = step
+    try:
+        yield
+    finally:
+        if had:
+            optimizer.step = orig
+        else:
+            del optimizer.step
 
 
 class StateSnapshot:
@@ -92,7 +147,11 @@ class NoiseSampler:
         samples: ``S`` (default 4; more samples estimate the spread better, see :mod:`tracer.compare.thresholds`).
         seed: noise seed (the thresholds are reproducible).
         injector_kwargs: passed to :class:`~ttrace_num.propagate.noise.NoiseInjector`, e.g.
-            ``policy`` and ``grad_summation`` describing the candidate's split reductions.
+            ``policy`` and ``grad_summation`` describing the candidate's split reductions, or
+            ``accepted`` (``{torch name: reason}``: ops without a model the integration accepts
+            unperturbed; written to the samples' ``run.json`` meta as ``accepted_ops``).
+            The optimizer's ``step()`` runs inside the injector's ``optimizer_step()`` (module
+            doc, "Coverage").
         custom_functions: ``torch.autograd.Function`` classes whose backward does arithmetic
             (autograd runs it outside the injector otherwise; see
             :func:`~ttrace_num.propagate.noise.perturb_custom_backward`).
@@ -139,6 +198,9 @@ class NoiseSampler:
                         MomentWriter(Path(root) / "noise" / f"sample_{i}", root, i, self.moments, layout, signature,
                                      run_id=f"noise{i}", run_meta=run_meta) for i in range(samples)]
         self.states: list[StateSnapshot] = []
+        #: per sample: the op census summed over its steps (written to its run.json meta as ``ops``)
+        self.census: list[dict[str, dict[str, int]]] = [{} for _ in self.writers]
+        self._unmodelled = [0] * len(self.writers)  # per sample: unmodelled calls of its trajectory
 
     def step(self, step: int, traced_step: Callable[[TraceWriter | None], Any]) -> Any:
         """Run training step ``step`` clean, then its noise samples; returns what the clean
@@ -168,8 +230,11 @@ class NoiseSampler:
             if memo is not None:
                 memo.rewind()
             inj = NoiseInjector(gen, memo=memo, **self.injector_kwargs)
-            with inj, perturb_custom_backward(inj, *self.custom_functions):
-                traced_step(w)
+            base = 0 if self.restart else self._unmodelled[i]
+            with inj, perturb_custom_backward(inj, *self.custom_functions), _optimizer_marked(self.optimizer, inj):
+                traced_step(_CensusWriter(w, lambda: base + inj.unmodelled_calls))
+            self._unmodelled[i] = base + inj.unmodelled_calls
+            self._write_census(i, inj.census())
             if not self.restart:  # the sample's trajectory goes on from here next step
                 self.states[i] = StateSnapshot(self.model, self.optimizer, take_state=True)  # a restore follows
             seconds.append(time.perf_counter() - t0)
@@ -182,3 +247,23 @@ class NoiseSampler:
             self.amplitude_misses += memo.misses
         after.restore(last_use=True)
         return out
+
+    def _write_census(self, i: int, step_census: dict[str, dict[str, int]]) -> None:
+        """Add a step's census to sample ``i``'s and rewrite its ``run.json`` (meta ``ops``)."""
+        from ttrace_num.propagate.census import Census
+        self.census[i] = Census.merged([self.census[i], step_census])
+        w = self.writers[i]
+        w.run_meta[OPS_META] = self.census[i]
+        accepted = self.injector_kwargs.get("accepted")
+        if accepted:
+            w.run_meta[ACCEPTED_META] = dict(accepted)
+        w._write_run_file()  # the writer's own run.json writer (atomic), with the new meta
+
+    def unmodelled(self) -> dict[str, int]:
+        """Unmodelled ops (name -> calls of one sample over its steps, the most of any sample):
+        what the thresholds do not cover (:mod:`ttrace_num.propagate.census`)."""
+        out: dict[str, int] = {}
+        for c in self.census:
+            for name, n in c.get("unmodelled", {}).items():
+                out[name] = max(out.get(name, 0), n)
+        return dict(sorted(out.items()))

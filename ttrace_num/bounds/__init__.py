@@ -6,6 +6,6 @@ from .base import Bound, Explanation  # noqa: F401
 from .summation import Summation  # noqa: F401
 
 #: one module per operator family; each registers its ops on import
-FAMILIES = ("reduction", "matmul", "softmax", "norms", "activations", "attention", "fp8", "collectives", "grads")
+FAMILIES = ("reduction", "matmul", "softmax", "norms", "activations", "attention", "fp8", "collectives", "grads", "losses")
 for _name in FAMILIES:
     import_module(f"{__name__}.{_name}")

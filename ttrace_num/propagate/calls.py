@@ -39,6 +39,9 @@ _CASTS = {torch.Tensor.to, torch.Tensor.float, torch.Tensor.bfloat16, torch.Tens
           torch.Tensor.type_as}
 _MASKED_FILL = {torch.Tensor.masked_fill, torch.masked_fill}
 _SUM = {torch.sum, torch.Tensor.sum}  # over one dim: the library's ``sum`` model
+_MEAN = {torch.mean, torch.Tensor.mean}  # over one dim: the library's ``mean`` model
+_LOG_SOFTMAX = {torch.log_softmax, F.log_softmax, torch.Tensor.log_softmax}
+_SDPA = getattr(F, "scaled_dot_product_attention", None)
 
 
 def _arg(args: tuple, kwargs: dict, i: int, name: str, default: Any = None) -> Any:
@@ -52,7 +55,9 @@ class OpCall:
     ``kind``: ``"op"`` (a registered error model: ``op``, ``inputs``, ``kwargs`` go to
     :func:`ttrace_num.tolerance`), ``"rounding"`` (an elementwise result rounded once into
     the output format: scalar add/mul, elementwise mul, casts; ``exact`` when it cannot
-    round), ``"structural"`` (exact; apply the same call to the shadows) or ``"masked_fill"``.
+    round), ``"structural"`` (exact; apply the same call to the shadows), ``"masked_fill"``
+    or ``"index"`` (an exact gather of rows of ``inputs[0]``: ``F.embedding``; ``kwargs``
+    hold the indices).
     ``propagate(get, out)`` returns ``|J| v`` given the shadow getter; ``propagate_sq(get, out)``
     returns ``sum_j J_ij^2 w_j`` for squared scales ``w`` (quadrature mode).
     """
@@ -137,7 +142,79 @@ def classify(func: Callable, args: tuple, kwargs: dict) -> OpCall | None:
     if func in _CASTS:
         x = args[0]
         return OpCall("rounding", "cast", (x,), {}, lambda g, out: g(x), lambda g, out: g(x))
+    if func in _MEAN:
+        x, dim = args[0], _arg(args, kwargs, 1, "dim")
+        keepdim = bool(_arg(args, kwargs, 2, "keepdim", False))
+        if isinstance(dim, int) and _arg(args, kwargs, 3, "dtype") is None and isinstance(x, torch.Tensor):
+            n = x.shape[dim] if x.dim() else 1
+            return OpCall("op", "mean", (x,), {"dim": dim, "keepdim": keepdim},
+                          lambda g, out: _z(g, x).sum(dim, keepdim=keepdim) / n,
+                          lambda g, out: _z(g, x).sum(dim, keepdim=keepdim) / (n * n))
+        return None
+    if func in _LOG_SOFTMAX:
+        x, dim = args[0], _arg(args, kwargs, 1, "dim", -1)
+        if _arg(args, kwargs, 3 if func is F.log_softmax else 2, "dtype") is not None or dim is None:
+            return None
+        return OpCall("op", "log_softmax", (x,), {"dim": dim}, _no_rule("log_softmax"), _no_rule("log_softmax"))
+    if _SDPA is not None and func is _SDPA:
+        return _sdpa(args, kwargs)
+    if func is F.cross_entropy:
+        return _cross_entropy(args, kwargs)
+    if func is F.mse_loss:
+        x, t = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "target")
+        if (_arg(args, kwargs, 2, "size_average") is not None or _arg(args, kwargs, 3, "reduce") is not None
+                or not (isinstance(x, torch.Tensor) and isinstance(t, torch.Tensor)) or x.shape != t.shape
+                or x.dtype != t.dtype or kwargs.get("weight") is not None):
+            return None  # legacy arguments, broadcasting, mixed dtypes, weights: not modelled
+        return OpCall("op", "mse_loss", (x, t), {"reduction": _arg(args, kwargs, 4, "reduction", "mean")},
+                      _no_rule("mse_loss"), _no_rule("mse_loss"))
+    if func is F.embedding:
+        idx, w = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "weight")
+        if (_arg(args, kwargs, 3, "max_norm") is not None or _arg(args, kwargs, 5, "scale_grad_by_freq", False)
+                or _arg(args, kwargs, 6, "sparse", False) or not isinstance(w, torch.Tensor)):
+            return None  # renormalised rows, frequency-scaled or sparse gradients: not modelled
+        return OpCall("index", "embedding", (w,), {"indices": idx, "padding_idx": _arg(args, kwargs, 2, "padding_idx")},
+                      lambda g, out: F.embedding(idx, _z(g, w)), lambda g, out: F.embedding(idx, _z(g, w)),
+                      exact=True)
     return None
+
+
+def _no_rule(op: str) -> Callable[[Getter, Any], Any]:
+    """Propagation rule of an op the noise injector models but the analytic shadow does not."""
+    def rule(g: Getter, out: Any) -> Any:
+        raise NotImplementedError(f"ErrorShadow: no propagation rule for {op}; its error model is used by the "
+                                  "empirical noise injector (ttrace_num.propagate.noise)")
+    return rule
+
+
+def _sdpa(args: tuple, kwargs: dict) -> OpCall | None:
+    """``F.scaled_dot_product_attention``: the ``attention`` model of the kernel torch runs on
+    CPU (:func:`ttrace_num.bounds.attention.torch_cpu_sdpa_model`: online softmax over key blocks
+    of 512, ``P`` stored in the input dtype, fp32 accumulation, ``exp_u20``). With dropout
+    (random) the call is not modelled."""
+    from ..bounds.attention import torch_cpu_sdpa_model
+    q, k, v = (_arg(args, kwargs, i, n) for i, n in enumerate(("query", "key", "value")))
+    if float(_arg(args, kwargs, 4, "dropout_p", 0.0) or 0.0) != 0.0 or not all(
+            isinstance(t, torch.Tensor) and t.is_floating_point() for t in (q, k, v)):
+        return None
+    kw = dict(attn_mask=_arg(args, kwargs, 3, "attn_mask"), is_causal=bool(_arg(args, kwargs, 5, "is_causal", False)),
+              scale=_arg(args, kwargs, 6, "scale"), enable_gqa=bool(kwargs.get("enable_gqa", False)))
+    return OpCall("op", "attention", (q, k, v), {**kw, **torch_cpu_sdpa_model(q)},
+                  _no_rule("attention"), _no_rule("attention"))
+
+
+def _cross_entropy(args: tuple, kwargs: dict) -> OpCall | None:
+    """``F.cross_entropy`` of ``(N, C)`` logits and class-index targets without class weights
+    (the ``cross_entropy`` model); other forms are not modelled."""
+    x, t = _arg(args, kwargs, 0, "input"), _arg(args, kwargs, 1, "target")
+    if (_arg(args, kwargs, 2, "weight") is not None or _arg(args, kwargs, 3, "size_average") is not None
+            or _arg(args, kwargs, 5, "reduce") is not None or not isinstance(x, torch.Tensor) or x.dim() != 2
+            or not isinstance(t, torch.Tensor) or t.is_floating_point()):
+        return None
+    kw = dict(reduction=_arg(args, kwargs, 6, "reduction", "mean"),
+              label_smoothing=float(_arg(args, kwargs, 7, "label_smoothing", 0.0)),
+              ignore_index=int(_arg(args, kwargs, 4, "ignore_index", -100)))
+    return OpCall("op", "cross_entropy", (x, t), kw, _no_rule("cross_entropy"), _no_rule("cross_entropy"))
 
 
 def _z(g: Getter, t: torch.Tensor) -> torch.Tensor:

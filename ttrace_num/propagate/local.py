@@ -64,6 +64,8 @@ class LocalBounds:
         per run whose rounding is not shared (two for two runs of the same model, one against
         exact or for a difference model, none for bitwise-identical runs). ``fp32``: see
         :meth:`rounding`."""
+        if call.kind == "index":
+            return []  # a gather of stored rows (F.embedding): no rounding
         if call.kind == "rounding":
             if call.exact or (call.op == "cast" and out.dtype == call.inputs[0].dtype):
                 return []  # exact scaling, or a cast to the same format (no rounding)

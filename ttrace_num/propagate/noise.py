@@ -20,6 +20,20 @@ extra run per sample, and it covers gradients without a backward model per op.
   two-run difference), the error of a result computed in fp32 and stored once, which is
   how CPU kernels compute the backward of elementwise ops, norms and softmax in bf16.
 
+Ops with a backward model of their own get it instead of one rounding (twice for two runs):
+``F.scaled_dot_product_attention`` (forward: the ``attention`` bound of torch's CPU kernel,
+:func:`~ttrace_num.bounds.attention.torch_cpu_sdpa_model`; backward: dQ, dK, dV of
+:func:`~ttrace_num.bounds.attention.attention_backward` for that kernel),
+``F.cross_entropy`` (``cross_entropy_backward`` given the scalar upstream gradient),
+``F.mse_loss`` (:mod:`ttrace_num.bounds.losses`). ``F.embedding`` is exact in forward (a
+gather) and its weight gradient, per row a sum of the output gradients of that row's tokens,
+gets the recursive-summation bound of those terms (:meth:`NoiseInjector._embedding_grad_fn`).
+
+Every call is counted in the injector's census (:meth:`NoiseInjector.census`,
+:mod:`.census`): perturbed, exact, unmodelled (an op that can round and has no model: not
+perturbed, reported), optimizer (such an op inside :meth:`NoiseInjector.optimizer_step`) or
+accepted (named by the caller).
+
 :func:`measure_propagation` runs a user function clean once and noisy ``samples`` times
 and returns, per named tensor, the largest deviation seen.
 """
@@ -39,6 +53,7 @@ from ..bounds.summation_variance import (chain_split_difference, gemm_difference
                                         may_stagnate)
 from ..formats import NARROW_DTYPES, get_format, half_ulp
 from .calls import OpCall, classify
+from .census import Census, op_name, unclassified_category
 from .local import LocalBounds, ModelPolicy
 from .memo import AmplitudeMemo
 
@@ -108,13 +123,20 @@ class NoiseInjector(TorchFunctionMode):
         memo: amplitudes shared by the samples of one step (:mod:`.memo`): the first
             sample's injector computes and stores them, the next ones reuse those of matching
             calls. ``None``: every amplitude is computed.
+        accepted: ``{torch name: reason}`` of ops without a model that the caller accepts
+            unperturbed (counted ``accepted`` in :meth:`census`, not ``unmodelled``).
+
+    :meth:`census` counts every call the mode saw (:mod:`.census`): ``perturbed``, ``exact``,
+    ``unmodelled`` (rounding arithmetic without a model: not perturbed, and reported),
+    ``optimizer`` (such ops inside :meth:`optimizer_step`) and ``accepted``.
     """
 
     def __init__(self, generator: torch.Generator, mode: str = "deterministic",
                  failure_probability: float | None = None, policy: ModelPolicy | None = None,
                  against_exact: bool = False, backward: bool = True, module_of: Callable[[], str] | None = None,
                  calibration: "Calibration | str | None" = None, grad_summation: "Summation | None" = None,
-                 variance_model: "Summation | None" = None, memo: AmplitudeMemo | None = None):
+                 variance_model: "Summation | None" = None, memo: AmplitudeMemo | None = None,
+                 accepted: "dict[str, str] | None" = None):
         super().__init__()
         self.memo = memo
         self.gen = generator
@@ -124,6 +146,30 @@ class NoiseInjector(TorchFunctionMode):
         self.backward = backward
         self.module_of = module_of or (lambda: "")
         self.perturbed = 0
+        self._census = Census()
+        self._in_optimizer = False
+        self.accepted = dict(accepted or {})
+
+    def census(self) -> dict[str, dict[str, int]]:
+        """What this injector saw, per torch function and category (:mod:`.census`):
+        ``{"perturbed": {name: calls}, "exact": {...}, "unmodelled": {...}}``."""
+        return self._census.as_dict()
+
+    @contextlib.contextmanager
+    def optimizer_step(self) -> Iterator[None]:
+        """Mark the optimizer's ``step()``: inside, an op without a model is counted as
+        ``optimizer``, not ``unmodelled`` (:mod:`.census`: the update is elementwise and the
+        candidate is assumed to run the same optimizer); modelled ops are perturbed as anywhere."""
+        before, self._in_optimizer = self._in_optimizer, True
+        try:
+            yield
+        finally:
+            self._in_optimizer = before
+
+    @property
+    def unmodelled_calls(self) -> int:
+        """Calls so far of ops that can round and have no error model (:mod:`.census`)."""
+        return self._census.unmodelled_calls
 
     def _noise(self, b: torch.Tensor, shape: torch.Size, dtype: torch.dtype,
                work: torch.dtype | None = None) -> torch.Tensor:
@@ -204,6 +250,15 @@ class NoiseInjector(TorchFunctionMode):
 
     def _grad_noise_fns(self, call: OpCall, slot: _Slot) -> list[Callable[[torch.Tensor], torch.Tensor] | None]:
         """One noise function per tensor input of ``call`` (None: no backward rounding)."""
+        if call.op == "attention":
+            return self._attention_grad_fns(call, slot)
+        if call.op == "cross_entropy":
+            return [self._cross_entropy_grad_fn(call, slot), None]
+        if call.op == "mse_loss":
+            fn = self._mse_grad_fn(call, slot)
+            return [fn, fn]
+        if call.kind == "index":
+            return [self._embedding_grad_fn(call, slot)]
         if call.op in ("linear", "matmul"):
             x, w = call.inputs[0], call.inputs[1]
             wt = w if call.op == "linear" else w.transpose(-1, -2)  # grad_x = g @ wt
@@ -231,6 +286,119 @@ class NoiseInjector(TorchFunctionMode):
         if call.op == "add_scalar" or (call.kind == "rounding" and call.exact):
             return [None] * len(call.inputs)  # gradient passes through exactly
         return [self._grad_rounding] * len(call.inputs)
+
+    def _attention_grad_fns(self, call: OpCall, slot: _Slot) -> list[Callable[[torch.Tensor], torch.Tensor]]:
+        """Gradient noise of ``F.scaled_dot_product_attention``'s ``q``, ``k``, ``v``: ``U`` times the
+        bounds on the computed ``dQ``, ``dK``, ``dV`` of
+        :func:`ttrace_num.bounds.attention.attention_backward` for the kernel torch runs on CPU
+        (:func:`~ttrace_num.bounds.attention.torch_cpu_sdpa_model` with ``backward=True``: ``P``
+        recomputed from the stored log-sum-exp, ``D = rowsum(dO * O)``, ``dS`` and the gradients'
+        block accumulation in the input dtype), given the output gradient ``dO``; twice the
+        bound for two runs (as every op's local bound), once against exact. The three bounds
+        are computed together, once per call (or reused from :attr:`memo`)."""
+        from ..bounds.attention import attention_backward, torch_cpu_sdpa_model
+        q, k, v = (t.detach() for t in call.inputs)
+        kw = {n: call.kwargs[n] for n in ("attn_mask", "is_causal", "scale", "enable_gqa")}
+        kw.update(torch_cpu_sdpa_model(q, backward=True))
+        scale = 1.0 if self.local.against_exact else 2.0
+        cache: dict[str, object] = {}
+
+        def bounds():
+            if "b" not in cache:
+                cache["b"] = attention_backward(q, k, v, slot.g.detach(), **kw, **self.local.common_kwargs())
+            return cache["b"]
+
+        def fn(i: int, name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+            def noise(g: torch.Tensor) -> torch.Tensor:
+                amp = self._amplitude(f"attention_{name}", (q, k, v, slot.g), lambda: scale * bounds()[i].abs)
+                return self._noise(amp.reshape(g.shape), g.shape, g.dtype)
+            return noise
+        return [fn(0, "dq"), fn(1, "dk"), fn(2, "dv")]
+
+    def _cross_entropy_grad_fn(self, call: OpCall, slot: _Slot) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Gradient noise of ``F.cross_entropy``'s logits: ``U`` times the bound of
+        :func:`ttrace_num.bounds.grads.cross_entropy_backward` (torch's CPU computation of
+        ``d loss / d logits``, the upstream gradient ``grad_output`` the scalar that reaches the
+        loss, e.g. ``1/n`` of a ``loss / n``), twice for two runs; for ``reduction="none"`` (no
+        scalar upstream gradient) one rounding of the gradient, as for the other non-GEMM ops
+        (module doc)."""
+        x, t = call.inputs[0].detach(), call.inputs[1]
+        kw = {n: call.kwargs[n] for n in ("reduction", "label_smoothing", "ignore_index")}
+        scale = 1.0 if self.local.against_exact else 2.0
+
+        def noise(g: torch.Tensor) -> torch.Tensor:
+            go = slot.g
+            if go is None or go.numel() != 1 or kw["reduction"] == "none":
+                return self._grad_rounding(g)
+            amp = self._amplitude("cross_entropy_backward", (x, t, go), lambda: scale * tn.tolerance(
+                "cross_entropy_backward", x, t, grad_output=float(go), **kw, **self.local.common_kwargs()).abs)
+            return self._noise(amp.reshape(g.shape), g.shape, g.dtype)
+        return noise
+
+    def _mse_grad_fn(self, call: OpCall, slot: _Slot) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Gradient noise of ``F.mse_loss``'s input (and target): ``U`` times the bound of
+        :func:`ttrace_num.bounds.losses.mse_loss_backward` (up to four roundings of torch's CPU
+        kernel ``norm * (x - y) * grad``, given the upstream gradient), twice for two runs."""
+        x, y = (t.detach() for t in call.inputs)
+        scale = 1.0 if self.local.against_exact else 2.0
+
+        def noise(g: torch.Tensor) -> torch.Tensor:
+            if slot.g is None:
+                return self._grad_rounding(g)
+            amp = self._amplitude("mse_loss_backward", (x, y, slot.g), lambda: scale * tn.tolerance(
+                "mse_loss_backward", x, y, slot.g.detach(), reduction=call.kwargs["reduction"],
+                **self.local.common_kwargs()).abs)
+            return self._noise(torch.broadcast_to(amp, g.shape), g.shape, g.dtype)
+        return noise
+
+    def _embedding_grad_fn(self, call: OpCall, slot: _Slot) -> Callable[[torch.Tensor], torch.Tensor]:
+        """Gradient noise of ``F.embedding``'s weight. Its forward is exact (a gather of rows);
+        its weight gradient is, per vocabulary row ``r``, the sum of the output gradients of the
+        tokens with index ``r``. torch's CPU kernel (``embedding_dense_backward_cpu``) adds them
+        one by one, in token order, into the row of a gradient of the weight's dtype: each
+        addition computed in fp32 and rounded to that dtype. For bf16/fp16 that is recursive
+        summation correctly rounded in the weight's format (the fp32 sum of two of its values
+        is exact unless their exponents differ by more than the fp32-minus-format precision,
+        and then the smaller is below half an ulp of the larger and both roundings return the
+        larger), so the bound is :func:`ttrace_num.bounds.reduction.sum_` of each row's terms
+        with ``Summation(accum=<weight dtype>)`` (under ``grad_summation``'s split and reduction
+        format, as the token sums of the norm weights), twice for two runs. ``recursive``
+        bounds every order, so a kernel that sorts the indices is covered too. Rows are
+        grouped by their number of occurrences (one ``(count, rows, D)`` tensor per distinct
+        count: the terms take the memory of the gradient once); rows no token uses have an
+        exactly zero gradient (amplitude 0)."""
+        w = call.inputs[0]
+        idx, pad = call.kwargs["indices"], call.kwargs["padding_idx"]
+        scale = 1.0 if self.local.against_exact else 2.0
+        gs = self.grad_summation
+        model = Summation(accum=get_format(w.dtype), split=gs.split if gs else 1,
+                          reduce_fmt=gs.reduce_fmt if gs else None)
+
+        def amplitude(shape: torch.Size) -> torch.Tensor:
+            rows_n, d = w.shape[0], w.shape[-1]
+            go = slot.g.detach().reshape(-1, d)
+            flat = idx.reshape(-1).to(torch.int64)
+            if pad is not None:
+                keep = flat != (pad % rows_n)
+                go, flat = go[keep], flat[keep]
+            amp = torch.zeros((rows_n, d), dtype=torch.float64)
+            counts = torch.bincount(flat, minlength=rows_n)
+            order = torch.argsort(flat, stable=True)
+            starts = torch.cumsum(counts, 0) - counts
+            for c in (int(n) for n in torch.unique(counts) if int(n) > 1):  # one term: exact
+                rows = torch.nonzero(counts == c).flatten()
+                pos = starts[rows][None, :] + torch.arange(c)[:, None]  # (c, rows): the k-th occurrence
+                terms = go[order[pos]]  # (c, rows, d), in token order
+                amp[rows] = scale * tn.tolerance("sum", terms, dim=0, summation=model,
+                                                 **self.local.common_kwargs()).abs
+            return amp.reshape(shape)
+
+        def noise(g: torch.Tensor) -> torch.Tensor:
+            if slot.g is None:
+                return torch.zeros(g.shape, dtype=_work_dtype(g.dtype))
+            amp = self._amplitude("embedding_backward", (idx, slot.g), lambda: amplitude(g.shape))
+            return self._noise(amp, g.shape, g.dtype)
+        return noise
 
     def _batched_weight_grad_amplitude(self, xt: torch.Tensor, g_out: torch.Tensor, shape: torch.Size
                                        ) -> torch.Tensor:
@@ -339,17 +507,38 @@ class NoiseInjector(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         call = classify(func, args, kwargs)
-        if call is None or call.kind in ("structural", "masked_fill") or not any(
+        if call is None:
+            out = func(*args, **kwargs)
+            category, name = unclassified_category(func, args, kwargs, out), op_name(func)
+            if category == "unmodelled":
+                category = "optimizer" if self._in_optimizer else ("accepted" if name in self.accepted else category)
+            self._census.add(category, name)
+            return out
+        if call.kind in ("structural", "masked_fill") or not any(
                 isinstance(t, torch.Tensor) and t.is_floating_point() for t in call.inputs):
+            self._census.add("exact", op_name(func))
             return func(*args, **kwargs)
         slot = _Slot()
         if self.backward and torch.is_grad_enabled():
             fns = self._grad_noise_fns(call, slot)
-            args = tuple(_wrap(a, call.inputs, fns) for a in args)
+            if call.op == "attention":  # by position: q, k, v may be one tensor
+                args, kwargs = _wrap_at(args, kwargs, ("query", "key", "value"), fns)
+            elif call.kind == "index":
+                args, kwargs = _wrap_at(args, kwargs, ("input", "weight"), [None] + fns)
+            else:
+                args = tuple(_wrap(a, call.inputs, fns) for a in args)
             if call.op in ("layer_norm", "rms_norm"):
                 args, kwargs = _wrap_norm_params(args, kwargs, self._norm_param_noise(call, slot))
             call = classify(func, args, kwargs)  # inputs are now the wrapped tensors
         out = func(*args, **kwargs)
+        if not _rounds(call, out):  # an exact gather, power-of-two scaling or widening cast
+            self._census.add("exact", op_name(func))
+            if call.kind == "index":
+                return _CaptureGrad.apply(out, slot) if self.backward and out.requires_grad else out
+            if not (isinstance(out, torch.Tensor) and out.is_floating_point()):
+                return out  # a cast to an integer type: nothing to perturb
+        else:
+            self._census.add("perturbed", op_name(func))
         with torch._C.DisableTorchFunction():  # the injector's own arithmetic: no other mode sees it
             return self._perturbed(call, out, slot)
 
@@ -417,6 +606,43 @@ def _row_separable(a: torch.Tensor, b: torch.Tensor, shape: torch.Size) -> bool:
 def _rows_of(a: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """Rows ``index`` of ``a``, flat over its leading dimensions."""
     return a.reshape(-1, a.shape[-1])[index]
+
+
+def _rounds(call: OpCall, out) -> bool:
+    """Can ``call`` (result ``out``) round? Not a gather (``index``), an exact scaling, or a cast
+    to the same format, a wider one or an integer type; every ``op`` rounds."""
+    if call.kind == "index":
+        return False
+    if call.kind != "rounding":
+        return True
+    if call.exact or not (isinstance(out, torch.Tensor) and out.is_floating_point()):
+        return False
+    if call.op == "cast":
+        src = call.inputs[0].dtype
+        if out.dtype == src:
+            return False
+        try:
+            from ..bounds.summation import conversion_exact
+            return not conversion_exact(get_format(src), get_format(out.dtype))
+        except (KeyError, ValueError, TypeError):
+            return True
+    return True
+
+
+def _wrap_at(args: tuple, kwargs: dict, names: tuple[str, ...], fns: list) -> tuple[tuple, dict]:
+    """``args``/``kwargs`` with the tensor at position ``i`` (or keyword ``names[i]``) wrapped to
+    get ``fns[i]``'s gradient noise, when it requires grad; by position, so that one tensor
+    passed twice (self-attention's ``q = k = v``) gets each position's noise."""
+    args, kwargs = list(args), dict(kwargs)
+    for i, (name, fn) in enumerate(zip(names, fns)):
+        if fn is None:
+            continue
+        if len(args) > i:
+            if isinstance(args[i], torch.Tensor) and args[i].requires_grad:
+                args[i] = _PerturbGrad.apply(args[i], fn)
+        elif isinstance(kwargs.get(name), torch.Tensor) and kwargs[name].requires_grad:
+            kwargs[name] = _PerturbGrad.apply(kwargs[name], fn)
+    return tuple(args), kwargs
 
 
 def _wrap(a, inputs: tuple, fns: list):
