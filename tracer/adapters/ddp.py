@@ -157,7 +157,9 @@ class DDPTracer:
         ``param``), and with capture ``optim`` each param's main copy and Adam moments; call
         after ``optimizer.step()``."""
         if "options" in self.capture:
-            for name, t in optimizer_options(self.optimizer).items():
+            with torch._C.DisableTorchFunction():  # the tracer's own arithmetic: no noise injector sees it
+                options = optimizer_options(self.optimizer)
+            for name, t in options.items():
                 self.tracer.record(f"optimizer.{name}", t, "options", placement=self.options_placement)
         if "param" in self.capture:
             self._record_params(lambda p: {"param": p})
