@@ -38,7 +38,9 @@ from torch import nn
 from tracer.trace.canonical import Placement, ShardDim
 from tracer.capture.hooks import Tracer
 from tracer.capture.optim_state import main_param_and_state, optimizer_options
+from tracer.trace.schema import Phase
 from tracer.trace.store import TraceWriter
+from tracer.adapters.base import phases_of
 
 __all__ = ["DDPTracer", "ddp_placement", "dtensor_placement"]
 
@@ -89,7 +91,8 @@ class DDPTracer:
                  placement_fn: Callable[[str, str, torch.Tensor], dict[str, Any]] | None = None,
                  param_placement: Callable[[str], dict[str, Any]] | None = None,
                  loss_placement: dict[str, Any] | None = None, grad_scale: float | None = None,
-                 module_meta: dict[str, dict[str, Any]] | None = None, optimizer: Any = None) -> None:
+                 module_meta: dict[str, dict[str, Any]] | None = None, optimizer: Any = None,
+                 role: str | None = None, layout: dict[str, Any] | None = None) -> None:
         import torch.distributed as dist
         dist_on = dist.is_available() and dist.is_initialized()
         self.dp = int(dp if dp is not None else (dist.get_world_size() if dist_on else 1))
@@ -115,6 +118,10 @@ class DDPTracer:
         #: every rank holds the same optimizer options (capture ``options``)
         self.options_placement = Placement((ShardDim(None, "world", rank, world, "replicated"),)
                                            if world > 1 else ()).to_dict()
+        #: ``"reference"`` or ``"candidate"`` (:class:`tracer.adapters.base.Adapter`); default: a
+        #: single-rank run is the reference
+        self.role = role or ("reference" if world == 1 else "candidate")
+        self._layout = dict(layout) if layout is not None else {"dp": self.dp}
 
     @contextlib.contextmanager
     def step(self, step: int, writer: TraceWriter | None = None) -> Iterator[DDPTracer]:
@@ -169,6 +176,34 @@ class DDPTracer:
     def remove(self) -> None:
         """Remove every hook."""
         self.tracer.remove()
+
+    # the adapter protocol (tracer.adapters.base.Adapter) ---------------------------------------
+    @property
+    def layout(self) -> dict[str, Any]:
+        """The run's layout, the same on every rank: ``{"dp": dp}``, or the ``layout`` given
+        (a harness sharded beyond DP names its other sizes there)."""
+        return dict(self._layout)
+
+    @property
+    def phases(self) -> tuple[Phase, ...]:
+        """The phases this tracer records (the loss when :meth:`record_loss` is called)."""
+        return phases_of(self.capture)
+
+    def canonical_name(self, local: str) -> str:
+        """The single-device name of ``local``: the name itself (DDP's ``.module`` is traced)."""
+        return self.tracer.name_fn(local)
+
+    def record_placement(self, local: str, name: str, t: torch.Tensor) -> Placement:
+        """Placement of a module record: ``placement_fn``'s, else the whole tensor on one rank."""
+        return Placement.of(self.tracer.placement_fn(local, name, t) if self.tracer.placement_fn else None)
+
+    def parameter_placement(self, local: str, phase: str) -> Placement:
+        """Placement of parameter ``local``'s record (the same in every phase)."""
+        return Placement.of(self.param_placement(local))
+
+    def close(self) -> None:
+        """End tracing (:meth:`remove`)."""
+        self.remove()
 
 
 def dtensor_placement(t: Any, group_names: Sequence[str] | None = None) -> dict[str, Any]:

@@ -17,7 +17,10 @@ checker needs from Megatron's own metadata, never from the user:
 * **activation placements** per module class (:data:`ACTIVATION_RULES`): megatron keeps
   hidden states as ``[s, b, h]``; under sequence parallelism the tensors between TP regions
   are split along ``s`` (dim 0) over TP; column-parallel outputs and attention heads are
-  split over TP along their last (head) dim; row-parallel inputs likewise.
+  split over TP along their last (head) dim; row-parallel inputs likewise. A column-parallel
+  linear that gathers its output (its ``gather_output``, as ``GPTModel(parallel_output=False)``
+  builds the output layer, or the call's ``runtime_gather_output``) has it replicated over TP
+  (:func:`activation_rule`).
 * **phases**: ``fwd`` and ``bwd`` (module hooks, per microbatch, numbered globally over DP
   ranks so that DP replicas of a layer are told apart), ``loss``, ``grad_local`` (the
   ``main_grad`` each rank contributes to the reduction, i.e. scaled by megatron's
@@ -30,7 +33,7 @@ checker needs from Megatron's own metadata, never from the user:
 
 Usage (inside the training loop of every rank; see docs/tracing.md)::
 
-    mt = MegatronTracer(ddp_model, config, TraceWriter(root, rank, world, layout, signature))
+    mt = MegatronTracer(ddp_model, config, TraceWriter(root, rank, world, parallel_layout(config), signature))
     for step in range(steps):
         with mt.step(step):
             forward_backward_func(..., forward_step_func=mt.wrap_forward_step(forward_step))
@@ -52,10 +55,12 @@ from torch import nn
 from tracer.trace.canonical import Placement, ShardDim, layer_offset, renumber
 from tracer.capture.hooks import Tracer
 from tracer.capture.optim_state import cast_mismatches, main_param_and_state, optimizer_options
+from tracer.trace.schema import Phase
 from tracer.trace.store import TraceWriter
+from tracer.adapters.base import phases_of
 
-__all__ = ["ACTIVATION_RULES", "DEFAULT_CAPTURE", "MegatronTracer", "injector_models", "noise_policy",
-           "parallel_layout", "reference_noise", "unwrap"]
+__all__ = ["ACTIVATION_RULES", "DEFAULT_CAPTURE", "MegatronTracer", "activation_rule", "injector_models",
+           "noise_policy", "parallel_coordinates", "parallel_layout", "reference_noise", "unwrap"]
 
 #: Role of each traced tensor of a module class -> how it is split over TP.
 #: Values: ``"seq"`` (dim 0 split over TP under sequence parallelism, else replicated),
@@ -101,9 +106,12 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def parallel_layout() -> dict[str, Any]:
-    """This rank's sizes and coordinates from megatron's ``parallel_state``."""
-    from megatron.core import parallel_state as ps
+def parallel_coordinates(ps: Any = None) -> dict[str, Any]:
+    """This rank's sizes *and* coordinates from megatron's ``parallel_state`` (or ``ps``, any
+    object with its getters): what the adapter's placements need. Rank-dependent: never the
+    layout a writer records (:func:`parallel_layout`)."""
+    if ps is None:
+        from megatron.core import parallel_state as ps
     vpp = ps.get_virtual_pipeline_model_parallel_world_size()
     return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
             "dp": ps.get_data_parallel_world_size(), "vpp": vpp or 1,
@@ -113,8 +121,44 @@ def parallel_layout() -> dict[str, Any]:
             "last_stage": ps.is_pipeline_last_stage(ignore_virtual=True)}
 
 
+#: the keys of :func:`parallel_coordinates` that name this rank's place, not the run's layout
+_RANK_KEYS = ("tp_rank", "pp_rank", "dp_rank", "first_stage", "last_stage")
+
+
+def parallel_layout(config: Any = None, *, ps: Any = None) -> dict[str, Any]:
+    """The run's layout, the same on every rank: the parallel sizes ``tp``, ``pp``, ``dp``,
+    ``vpp`` from megatron's ``parallel_state`` (or ``ps``), and ``sp`` (sequence parallelism)
+    when the ``TransformerConfig`` is given. This is what a :class:`~tracer.trace.store.TraceWriter`
+    records: the reader compares every rank's manifest layout with the one rank 0 wrote to
+    ``run.json``, so a rank coordinate in it would make ``ttrace compare`` refuse the trace as
+    "another model, layout or run". A rank's coordinates belong in its records' placements."""
+    out = {k: v for k, v in parallel_coordinates(ps).items() if k not in _RANK_KEYS}
+    if config is not None:
+        out["sp"] = bool(getattr(config, "sequence_parallel", False))
+    return out
+
+
 def _tp(par: dict, dim: int) -> ShardDim:
     return ShardDim(dim, "tp", par["tp_rank"], par["tp"])
+
+
+def activation_rule(module: nn.Module | None, cls: str, role: str, gather: bool | None = None) -> Any:
+    """The :data:`ACTIVATION_RULES` rule of record ``role`` (``output.0``, ``input.hidden_states``...;
+    a gradient's role is its tensor's) of a module of class ``cls``, read from the module's
+    own configuration where it decides the placement: a ``ColumnParallelLinear`` with
+    ``gather_output`` (megatron-core's flag; ``GPTModel(parallel_output=False)`` builds its
+    output layer with ``gather_output=True``) all-gathers its output over TP, which is then
+    replicated over TP, not split on its last dim. ``gather``: the call's
+    ``runtime_gather_output`` when it passed one (it overrides the module's flag, as in
+    megatron's ``forward``)."""
+    rules = ACTIVATION_RULES.get(cls) or ({"*": "seq"} if cls in _NORMS or "Norm" in cls else {"*": "rep"})
+    keys = [role] + ([role + ".0"] if "." not in role else [role.split(".")[0]]) + ["*"]
+    rule = next((rules[k] for k in keys if k in rules), "rep")
+    if cls == "ColumnParallelLinear" and role in ("output", "output.0"):
+        gathered = bool(getattr(module, "gather_output", False)) if gather is None else bool(gather)
+        if gathered:
+            rule = "rep"
+    return rule
 
 
 class MegatronTracer:
@@ -154,7 +198,8 @@ class MegatronTracer:
     def __init__(self, model: nn.Module | Sequence[nn.Module], config: Any, writer: TraceWriter, *,
                  include: Sequence[str] = ("*",), exclude: Sequence[str] = (),
                  capture: Sequence[str] = DEFAULT_CAPTURE,
-                 num_microbatches: int = 1, vpp_chunk: int | None = None, optimizer: Any = None) -> None:
+                 num_microbatches: int = 1, vpp_chunk: int | None = None, optimizer: Any = None,
+                 role: str | None = None, coordinates: dict[str, Any] | None = None) -> None:
         self.ddps = list(model) if isinstance(model, (list, tuple)) else [model]
         self.chunks = [unwrap(m) for m in self.ddps]
         # several chunks are traced as the children "0", "1", ... of one container
@@ -162,8 +207,12 @@ class MegatronTracer:
         self.config = config
         self.writer = writer
         self.optimizer = optimizer
-        self.par = parallel_layout()
+        self.par = dict(coordinates) if coordinates is not None else parallel_coordinates()
         self.sp = bool(getattr(config, "sequence_parallel", False))
+        world = self.par["tp"] * self.par["pp"] * self.par["dp"]
+        #: ``"reference"`` or ``"candidate"`` (protocol :class:`tracer.adapters.base.Adapter`);
+        #: default: a single-rank run is the reference
+        self.role = role or ("reference" if world == 1 else "candidate")
         self.capture = set(capture)
         self.num_microbatches = int(num_microbatches)
         if len(self.chunks) > 1:
@@ -173,9 +222,15 @@ class MegatronTracer:
             self.offsets = [layer_offset(self.par["pp_rank"], self.par["pp"], config.num_layers, vpp_chunk,
                                          self.par["vpp"] if vpp_chunk is not None else None)]
         self._classes = {n: type(m).__name__ for n, m in self.model.named_modules()}
+        self._modules = dict(self.model.named_modules())
+        # a ColumnParallelLinear call may override its gather_output (runtime_gather_output):
+        # read each call's value before the tracer's output hook computes the placement
+        self._runtime_gather: dict[str, bool | None] = {}
+        self._gather_hooks = [m.register_forward_pre_hook(self._gather_hook(n), with_kwargs=True)
+                              for n, m in self._modules.items() if self._classes[n] == "ColumnParallelLinear"]
         # per-record lookups that depend only on names (and a tensor's rank): computed once
         self._canonical: dict[str, str] = {}
-        self._activation_placements: dict[tuple[str, str, int], dict[str, Any]] = {}
+        self._activation_placements: dict[tuple[str, str, int, bool | None], dict[str, Any]] = {}
         skipped = [n for n, c in self._classes.items() if c in _SKIPPED_CLASSES]
         # containers whose records depend on the pipeline stage (the root returns hidden states
         # on all but the last stage; the decoder block holds a stage's layers): their children
@@ -241,19 +296,22 @@ class MegatronTracer:
     def activation_placement(self, local: str, name: str, t: torch.Tensor) -> dict[str, Any]:
         """Placement of a module record ``name`` (canonical) of local module ``local`` (the
         writer copies it; computed once per module, record and tensor rank)."""
-        key = (local, name, t.dim())
+        key = (local, name, t.dim(), self._runtime_gather.get(local))
         if key not in self._activation_placements:
             self._activation_placements[key] = self._activation_placement(local, name, t)
         return self._activation_placements[key]
 
     def _activation_placement(self, local: str, name: str, t: torch.Tensor) -> dict[str, Any]:
-        cls = self._classes.get(local, "")
-        rules = ACTIVATION_RULES.get(cls) or ({"*": "seq"} if cls in _NORMS or "Norm" in cls else {"*": "rep"})
         suffix = name[len(self.canonical_name(local)):].lstrip(".")
         role = re.sub(r"_grad", "", suffix)  # output_grad.0 -> output.0
-        keys = [role] + ([role + ".0"] if "." not in role else [role.split(".")[0]]) + ["*"]
-        rule = next((rules[k] for k in keys if k in rules), "rep")
+        rule = activation_rule(self._modules.get(local), self._classes.get(local, ""), role,
+                               self._runtime_gather.get(local))
         return Placement(tuple(self._rule_dims(rule, t))).to_dict()
+
+    def _gather_hook(self, local: str) -> Callable:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            self._runtime_gather[local] = kwargs.get("runtime_gather_output")
+        return hook
 
     def param_placement(self, local: str, p: torch.Tensor, phase: str) -> dict[str, Any]:
         """Placement of parameter ``local`` in ``phase`` (``grad_local`` / ``grad`` / ``param``)."""
@@ -435,7 +493,40 @@ class MegatronTracer:
     def remove(self) -> None:
         """Remove the hooks and restore ``config.finalize_model_grads_func``."""
         self.tracer.remove()
+        for h in self._gather_hooks:
+            h.remove()
+        self._gather_hooks = []
         self.config.finalize_model_grads_func = self._orig_finalize
+
+    # the adapter protocol (tracer.adapters.base.Adapter) ---------------------------------------
+    @property
+    def layout(self) -> dict[str, Any]:
+        """The run's layout, rank-independent (as :func:`parallel_layout`)."""
+        return {k: v for k, v in self.par.items() if k not in _RANK_KEYS} | {"sp": self.sp}
+
+    @property
+    def phases(self) -> tuple[Phase, ...]:
+        """The phases this tracer records, from its capture options (in a step's order)."""
+        needs_optimizer = () if self.optimizer is not None else ("options", "cast")
+        return phases_of([c for c in self.capture if c not in needs_optimizer], grad_norm=True)
+
+    def record_placement(self, local: str, name: str, t: torch.Tensor) -> Placement:
+        """Placement of module record ``name`` of local module ``local`` (:meth:`activation_placement`)."""
+        return Placement.of(self.activation_placement(local, name, t))
+
+    def parameter_placement(self, local: str, phase: str) -> Placement:
+        """Placement of parameter ``local``'s record in ``phase`` (:meth:`param_placement`; the
+        distributed optimizer's flat range of a reduced grad is applied when recording)."""
+        return Placement.of(self.param_placement(local, self.params[local], phase))
+
+    def microbatch(self, i: int) -> None:
+        """Start local microbatch ``i`` outside :meth:`wrap_forward_step` (which numbers them
+        itself): records get the global number ``dp_rank * num_microbatches + i``."""
+        self.tracer.set_microbatch(self.par["dp_rank"] * self.num_microbatches + int(i))
+
+    def close(self) -> None:
+        """End tracing (:meth:`remove`)."""
+        self.remove()
 
 
 # reference side: what the noise samples must model --------------------------------------------

@@ -63,6 +63,8 @@ class TensorCheck:
     note: str = ""
     scale_error: float = math.nan      # ||y|| of the block-scale statistic (tracer.compare.blockscale); NaN: not tested
     scale_threshold: float = math.nan  # its threshold
+    cand_norm: float = math.nan        # ||cand||_2, measured for a tensor not ok (NaN: not measured);
+                                       # cand_norm / ref_norm is a uniform rescaling's factor (localisation)
 
     @property
     def by_scale(self) -> bool:
@@ -197,14 +199,15 @@ def check_tensor(step: int, key: RecordKey, ref_e: Entry, ref_t: torch.Tensor, c
     note = "; ".join(notes)
     if notes:
         status = "replicas" if status == "ok" else status
-    worst = []
+    worst, cand_norm = [], math.nan
     if status != "ok" and ref_t.numel():
         d = deviation()
         worst = _worst_ranks(tuple(ref_t.shape), int((d.part(cand_t) - d.ref).abs().reshape(-1).argmax()),
                              cand_entries)
+        cand_norm = float(torch.linalg.vector_norm(d.part(cand_t)))
     return TensorCheck(**base, status=status, error=error, threshold=th.threshold, ratio=ratio, max_abs=max_abs,
                        ref_norm=ref_norm, n_eff=th.n_eff, factor=th.factor, worst_ranks=worst, note=note,
-                       scale_error=scale_error, scale_threshold=scale_threshold)
+                       scale_error=scale_error, scale_threshold=scale_threshold, cand_norm=cand_norm)
 
 
 def _check_invariant(base: dict[str, Any], error: float, ref_norm: float, notes: list[str]) -> TensorCheck:

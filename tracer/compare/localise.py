@@ -4,8 +4,11 @@ Two tools, one question (local or propagated?):
 
 * :func:`localise` reads the comparison's rows: what fed the first divergent tensor, and did
   it agree with the reference? A forward output whose module's inputs all agree is a wrong
-  module; a reduced grad whose per-rank contributions agree is a wrong reduction; an updated
-  parameter whose reduced grad agrees is a wrong optimizer step.
+  module -- unless the module's own parameters, the inputs its call does not show, already
+  differ after the previous step's update (a wrong optimizer update, see :func:`localise`); a
+  reduced grad whose per-rank contributions agree is a wrong reduction; an updated parameter
+  whose reduced grad agrees is a wrong optimizer step; a backward that starts off by a uniform
+  factor from an agreeing forward is a wrongly scaled loss.
 * :func:`rerun_module` re-runs the first divergent module on the candidate's own inputs.
 
 Re-running a module. A forward output ``y_c = f_c(x_c)`` of the candidate differs from the reference's
@@ -141,6 +144,61 @@ _UPSTREAM = {
 }
 
 
+#: a parameter record at this fraction of its threshold or more counts as diverged when its
+#: module's output is the first divergence of the next step (module doc of :func:`localise`)
+PARAM_SUSPECT_RATIO = 0.5
+#: a divergence whose norm difference ``| ||c|| - ||r|| |`` is this fraction of ``||c - r||`` or
+#: more is a uniform rescaling ``c = k r`` (equality exactly when ``c`` is parallel to ``r``)
+UNIFORM_SCALE = 0.95
+
+
+def _key(r: TensorCheck) -> float:
+    return r.ratio if math.isfinite(r.ratio) else 1e300
+
+
+def _wrong_parameters(rows: list[TensorCheck], first: TensorCheck, mod: str) -> str | None:
+    """A forward output diverges while its module's traced inputs agree: did the module's
+    parameters (its other inputs) already differ after the previous step's update? They do when
+    one of them is at :data:`PARAM_SUSPECT_RATIO` of its threshold or more, or is the worst of
+    all the previous step's parameters (a wrong update a parameter threshold absorbs: Adam's
+    legitimate deviation is about ``lr`` per element whatever the gradient, docs/tracing.md
+    "Why a wrong update can pass the param check")."""
+    prev = [r for r in rows if r.phase == "param" and r.step == first.step - 1 and math.isfinite(_key(r))]
+    own = [r for r in prev if not mod or r.name.startswith(mod + ".")]
+    if not own:
+        return None
+    top = max(own, key=_key)
+    if top.ratio < PARAM_SUSPECT_RATIO and top is not max(prev, key=_key):
+        return None
+    return (f"the parameters of {mod or '(root)'} differ from the reference's (worst {top.name} at "
+            f"{top.ratio:.2g}x its threshold after step {first.step - 1}): the optimizer update of step "
+            f"{first.step - 1} is wrong (the module's inputs agree, worst {{worst}})")
+
+
+def _scaled_loss(rows: list[TensorCheck], first: TensorCheck) -> str | None:
+    """The first divergence is the loss, or the first backward tensor of its microbatch, every
+    forward record of that microbatch agrees, and the divergence is a uniform factor: the loss
+    (or its gradient) is scaled wrongly."""
+    if first.phase not in ("loss", "bwd"):
+        return None
+    mb = [r for r in rows if r.step == first.step and r.microbatch == first.microbatch]
+    fwd = [r for r in mb if r.phase == "fwd"]
+    if not fwd or any(r.status != "ok" for r in fwd):
+        return None
+    if first.phase == "bwd" and any(r.index < first.index for r in mb if r.phase == "bwd"):
+        return None  # not the earliest backward tensor
+    factor = first.cand_norm / first.ref_norm if first.ref_norm > 0 and math.isfinite(first.cand_norm) else math.nan
+    uniform = math.isfinite(factor) and abs(first.cand_norm - first.ref_norm) >= UNIFORM_SCALE * first.error > 0
+    if not (uniform or first.by_scale):
+        return None
+    times = f"~{factor:.4g}" if math.isfinite(factor) else "a uniform factor"
+    what = "the loss" if first.phase == "loss" else "the first backward tensor"
+    scalar = math.prod(first.shape) == 1
+    return (f"the loss (or its gradient) is scaled wrongly: the forward agrees with the reference, {what} "
+            f"({first.name}) is the reference's times {times}"
+            + (" (a single number: a loss computed wrongly reads the same)" if scalar else ""))
+
+
 def localise(rows: list[TensorCheck], first: TensorCheck | None) -> str:
     """Local or propagated? Look at what fed the first divergent tensor (see module doc)."""
     if first is None:
@@ -148,7 +206,7 @@ def localise(rows: list[TensorCheck], first: TensorCheck | None) -> str:
     same = [r for r in rows if r.step == first.step]
 
     def worst(cands: list[TensorCheck]) -> str:
-        top = max(cands, key=lambda r: r.ratio if math.isfinite(r.ratio) else 1e300)
+        top = max(cands, key=_key)
         return f"{top.name} at {top.ratio:.2g}x its threshold"
 
     if first.phase == "cast":
@@ -171,10 +229,17 @@ def localise(rows: list[TensorCheck], first: TensorCheck | None) -> str:
         feeds, if_ok, otherwise = upstream
         ins = [r for r in same if feeds(r, first)]
         name, mod = first.name, first.name.split(".output")[0]
-        if ins and all(r.status == "ok" for r in ins):
+        agree = all(r.status == "ok" for r in ins)
+        wrong_params = _wrong_parameters(rows, first, mod) if first.phase == "fwd" and agree else None
+        if wrong_params:
+            return wrong_params.format(worst=worst(ins) if ins else "none traced")
+        if ins and agree:
             return if_ok.format(name=name, mod=mod or "(root)", worst=worst(ins))
         if otherwise:
             return otherwise.format(name=name, mod=mod or "(root)")
+    scaled = _scaled_loss(rows, first)
+    if scaled:
+        return scaled
     if first.phase == "options":
         return (f"the optimizer option {first.name.removeprefix('optimizer.')} (min and max over the param "
                 "groups) differs from the reference's: a configuration error, not round-off")
