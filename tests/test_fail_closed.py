@@ -184,6 +184,19 @@ def test_the_reference_as_a_noise_sample_is_refused(t, tmp_path):
         compare(t / "ref", t / "cand", noise=[tmp_path / "cand_copy"])
 
 
+def test_a_noise_sample_of_another_reference_run_is_refused(t, tmp_path):
+    """A sample names the reference run it perturbs (NoiseSampler: run.json meta noise_sample_of)."""
+    other = tmp_path / "other_sample"
+    w = TraceWriter(other, 0, 1, {"tp": 1}, SIG, run_meta={"noise_sample": 0, "noise_sample_of": "another-run"})
+    for step in STEPS:
+        for name in NAMES:
+            w.add(name, _value(name, step), phase="fwd", step=step)
+        w.flush_step(step)
+    w.close()
+    with pytest.raises(NoiseSampleError, match="perturbs the reference run 'another-run', not this reference"):
+        compare(t / "ref", t / "cand", noise=[t / "ref" / "noise" / "sample_0", other])
+
+
 def test_nan_in_a_noise_sample_is_refused(t, tmp_path):
     _reference(tmp_path / "ref")
     shutil.rmtree(tmp_path / "ref" / "noise" / "sample_1")

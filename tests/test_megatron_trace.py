@@ -250,7 +250,11 @@ def test_mismatched_steps_compare_the_common_ones(small_pair):
 
 
 def test_nan_is_a_finding_not_a_crash(small_pair):
+    """A NaN the run produced (the file rewritten with its manifest, checksum included, as the writer
+    would have written them) is a finding; a NaN written into the file behind the manifest's back is a
+    corrupt file (tests/test_fail_closed.py)."""
     from safetensors.torch import load_file, save_file
+    from tracer.trace.store import checksum
     ref, cand = small_pair
     f = cand / "step_000001" / "rank_00000.safetensors"
     tensors = load_file(f)
@@ -260,6 +264,7 @@ def test_nan_is_a_finding_not_a_crash(small_pair):
     man = f.with_suffix(".json")
     m = json.loads(man.read_text())
     m["file"]["bytes"] = f.stat().st_size
+    next(e for e in m["entries"] if e["key"] == key)["checksum"] = checksum(tensors[key])
     man.write_text(json.dumps(m))
     c = compare(ref, cand)
     assert c.first is not None and c.first.status == "nonfinite" and c.first.step == 1

@@ -7,11 +7,10 @@ whose injector models the candidate's split reductions
 (:func:`tracer.adapters.megatron.reference_noise`).
 
 Op coverage (:mod:`ttrace_num.propagate.census`): the ops of megatron-core's GPT that no error
-model covers are accepted unperturbed by this harness, each with its reason
-(:data:`MEGATRON_ACCEPTED`, in every noise sample's ``run.json`` as ``accepted_ops``): the
-comparison then lists them instead of marking the tensors after them ``unmodelled``. The
-tracer's own work after the optimizer step (its cast check and optimizer options) runs with
-torch functions disabled: it is neither the run's arithmetic nor perturbed.
+model covers are accepted unperturbed, each with its reason (megatron-core's own by
+:func:`tracer.adapters.megatron.reference_noise`, this harness's loss by :data:`HARNESS_ACCEPTED`;
+in every noise sample's ``run.json`` as ``accepted_ops``): the comparison then lists them instead
+of marking the tensors after them ``unmodelled``.
 """
 from __future__ import annotations
 
@@ -27,23 +26,11 @@ from tracer.capture.noise_sampler import NoiseSampler
 from tracer.capture.resync import candidate_state, load_state
 from tracer.trace.store import TraceWriter
 
-__all__ = ["MEGATRON_ACCEPTED", "TracedRun"]
+__all__ = ["HARNESS_ACCEPTED", "TracedRun"]
 
-#: ops of this harness's megatron-core GPT without an error model, accepted unperturbed (by
-#: torch name, wherever they occur), and why; their legitimate differences are not sampled
-MEGATRON_ACCEPTED = {
-    "torch.baddbmm": "megatron's unfused attention scores (baddbmm, beta=0): a GEMM over the head dim that no "
-                     "candidate layout of this harness splits; not perturbed (the detection matrix's clean runs "
-                     "were measured within their thresholds without it, docs/detection.md)",
-    "torch.cos": "the rotary table: a function of the positions alone, the same inputs in every run",
-    "torch.sin": "the rotary table: a function of the positions alone, the same inputs in every run",
-    "torch.exp": "inside megatron's vocab-parallel cross entropy (its vocabulary sum is perturbed, the "
-                 "elementwise exp, log, shift and division are not)",
-    "torch.log": "inside megatron's vocab-parallel cross entropy (see torch.exp)",
-    "torch.Tensor.sub_": "inside megatron's vocab-parallel cross entropy (see torch.exp)",
-    "torch.Tensor.div_": "inside megatron's vocab-parallel cross entropy (see torch.exp)",
-    "torch.Tensor.mul_": "inside megatron's vocab-parallel cross entropy backward (the gradient times its upstream "
-                         "gradient; in-place scalings by a power of two elsewhere are exact anyway)",
+#: ops of this harness without an error model, accepted unperturbed (by torch name), and why;
+#: megatron-core's own are accepted by :func:`tracer.adapters.megatron.reference_noise`
+HARNESS_ACCEPTED = {
     "torch.Tensor.mean": "the harness's loss_func: the fp32 mean of the per-token losses (not perturbed)",
 }
 
@@ -95,8 +82,7 @@ class TracedRun:
             with self.mt.step(step, writer=writer):
                 losses = forward_backward(fwd)
                 _ok, gnorm, _ = self.optimizer.step()
-                with torch._C.DisableTorchFunction():  # the tracer's own checks: not the run's ops
-                    self.mt.after_optimizer_step(gnorm)
+                self.mt.after_optimizer_step(gnorm)
             return gnorm, losses
 
         return traced_step() if self.sampler is None else self.sampler.step(step, traced_step)
@@ -118,7 +104,7 @@ class TracedRun:
 
 
 def _with_accepted(kw: dict[str, Any]) -> dict[str, Any]:
-    """``reference_noise``'s keywords with :data:`MEGATRON_ACCEPTED` in the injector's ``accepted``."""
+    """``reference_noise``'s keywords with :data:`HARNESS_ACCEPTED` in the injector's ``accepted``."""
     inj = dict(kw.get("injector_kwargs") or {})
-    inj["accepted"] = {**MEGATRON_ACCEPTED, **(inj.get("accepted") or {})}
+    inj["accepted"] = {**(inj.get("accepted") or {}), **HARNESS_ACCEPTED}
     return {**kw, "injector_kwargs": inj}

@@ -38,6 +38,7 @@ functions disabled: neither perturbed nor counted.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -47,7 +48,7 @@ import torch
 
 from tracer.compare.coverage import ACCEPTED_META, OPS_META, UNMODELLED_META
 from tracer.compare.deviation import MomentAccumulator, MomentWriter
-from tracer.trace.store import TraceWriter
+from tracer.trace.store import RUN_FILE, TraceWriter
 
 __all__ = ["NoiseSampler", "StateSnapshot"]
 
@@ -191,12 +192,17 @@ class NoiseSampler:
         self.sample_seconds: list[list[float]] = []
         self.moments = MomentAccumulator() if store == "moments" else None
         #: read by the checker (tracer.compare.check): a re-synchronised comparison's samples
-        run_meta = {"restarts_each_step": True} if self.restart else None
-        self.writers = [TraceWriter(Path(root) / "noise" / f"sample_{i}", 0, 1, layout, signature, run_id=f"noise{i}",
-                                    run_meta=run_meta)
+        # a sample names the reference run it perturbs (run id "<reference's>.noise<i>", meta
+        # noise_sample_of), so that a comparison refuses samples of another reference run
+        of = _reference_run_id(root, clean_writer)
+        base_meta = {"restarts_each_step": True} if self.restart else {}
+        metas = [{**base_meta, "noise_sample": i, "noise_sample_of": of} for i in range(samples)]
+        ids = [f"{of}.noise{i}" if of else "" for i in range(samples)]
+        self.writers = [TraceWriter(Path(root) / "noise" / f"sample_{i}", 0, 1, layout, signature, run_id=ids[i],
+                                    run_meta=metas[i])
                         if self.moments is None else
                         MomentWriter(Path(root) / "noise" / f"sample_{i}", root, i, self.moments, layout, signature,
-                                     run_id=f"noise{i}", run_meta=run_meta) for i in range(samples)]
+                                     run_id=ids[i], run_meta=metas[i]) for i in range(samples)]
         self.states: list[StateSnapshot] = []
         #: per sample: the op census summed over its steps (written to its run.json meta as ``ops``)
         self.census: list[dict[str, dict[str, int]]] = [{} for _ in self.writers]
@@ -267,3 +273,16 @@ class NoiseSampler:
             for name, n in c.get("unmodelled", {}).items():
                 out[name] = max(out.get(name, 0), n)
         return dict(sorted(out.items()))
+
+
+def _reference_run_id(root: str | Path, clean_writer: TraceWriter | None) -> str:
+    """The run id of the clean reference the samples perturb: its writer's, else the one in its
+    ``run.json`` (written by rank 0 of the clean run), else "" (unknown: the samples then get ids
+    of their own and compare cannot tell their reference)."""
+    if clean_writer is not None:
+        return clean_writer.run_id
+    try:
+        run = json.loads((Path(root) / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return ""
+    return str(run.get("run_id", "")) if isinstance(run, dict) else ""

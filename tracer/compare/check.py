@@ -343,6 +343,11 @@ def _refuse_swapped_or_same(ref: TraceReader, cand: TraceReader, noisy: list[Tra
         if n.world_size != 1:
             raise SameRunError(f"noise sample {str(n.root)!r} was traced on {n.world_size} ranks; a noise sample "
                                "is a single-device run of the reference (reference/noise/sample_K)", path=n.root)
+        of = (n.run.get("meta") or {}).get("noise_sample_of")
+        if of and ref.run_id and of != ref.run_id:
+            raise NoiseSampleError(f"noise sample {str(n.root)!r} perturbs the reference run {of!r}, not this "
+                                   f"reference ({str(ref.root)!r}, run id {ref.run_id!r}): its thresholds describe "
+                                   "another run; use the noise samples traced with this reference", path=n.root)
 
 
 def _refuse_nonfinite_noise(readers: list[TraceReader], entries: list[Entry], stored: list[torch.Tensor],
