@@ -46,4 +46,6 @@ def test_loss_scaled_on_one_rank_is_detected(lm):
     assert c.verdict == "DIVERGENT" and f is not None
     assert {"step": f.step, "phase": f.phase, "microbatch": f.microbatch} == ex.EXPECTED_BUG
     assert f.ratio > 10 and f.worst_ranks == [1]
+    assert c.localisation.startswith("the loss (or its gradient) is scaled wrongly"), c.localisation
+    assert "times ~2" in c.localisation  # rank 1's half of the batch carries twice its gradient
     print(f"\nbug: first divergence {f.label}, {f.ratio:.3g}x; localisation: {c.localisation}")
