@@ -311,11 +311,19 @@ def _unmatched_error(reference: str | Path, candidate: str | Path, step: int, on
         path=candidate, step=step)
 
 
+def _same_run(a: TraceReader, b: TraceReader) -> str | None:
+    """How two traces are one run: "directory" (the same one), "run id" (a copy), or None."""
+    if a.root.resolve() == b.root.resolve():
+        return "directory"
+    return "run id" if a.run_id and a.run_id == b.run_id else None
+
+
 def _refuse_swapped_or_same(ref: TraceReader, cand: TraceReader, noisy: list[TraceReader]) -> None:
     """The refusals that need no record: swapped traces, the candidate or a noise sample being the
     reference itself (same directory or run id), no noise samples."""
-    if ref.root.resolve() == cand.root.resolve() or (ref.run_id and ref.run_id == cand.run_id):
-        how = "are the same directory" if ref.root.resolve() == cand.root.resolve() else \
+    same = _same_run(ref, cand)
+    if same:
+        how = "are the same directory" if same == "directory" else \
             f"are of the same run (run id {ref.run_id!r}; a copy of one trace?)"
         raise SameRunError(f"reference {str(ref.root)!r} and candidate {str(cand.root)!r} {how}: comparing a run "
                            "with itself says nothing; give the reference (the single-device run with noise samples) "
@@ -334,9 +342,9 @@ def _refuse_swapped_or_same(ref: TraceReader, cand: TraceReader, noisy: list[Tra
                                                       "candidate swapped?)" if has else ""), path=ref.root)
     for n in noisy:
         for what, other in (("the reference", ref), ("the candidate", cand)):
-            if n.root.resolve() == other.root.resolve() or (n.run_id and n.run_id == other.run_id):
-                how = "is" if n.root.resolve() == other.root.resolve() else \
-                    f"has the run id {n.run_id!r} of"
+            same = _same_run(n, other)
+            if same:
+                how = "is" if same == "directory" else f"has the run id {n.run_id!r} of"
                 raise SameRunError(f"noise sample {str(n.root)!r} {how} {what} ({str(other.root)!r}), not a noise "
                                    "sample: a sample is a separate perturbed run of the reference, "
                                    "reference/noise/sample_K; pass those (or leave noise= out)", path=n.root)
