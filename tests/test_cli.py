@@ -65,3 +65,103 @@ def test_tolerance_rejects_nan_inputs(tmp_path, capsys):
     save_file({"x": torch.tensor([1.0, float("nan")])}, str(f))
     assert main(["tolerance", "sum", "--file", str(f)]) == 2
     assert "NaN" in capsys.readouterr().err
+
+
+# ------------------------------------------------ ttrace compare: --skip, --accept-unmodelled, unverified
+UNMODELLED = {"torch.foo": 3}
+
+
+def _trace(root, *, prefix="", offset=0.0, seed=0, census=False, extra=(), bug=1.0):
+    """Two steps of two forward records (``prefix`` before their names, ``extra`` names added),
+    ``offset`` times seeded noise away from the reference's, step 0's ``b.output`` times ``bug``. ``census``: a noise sample's op census
+    in run.json (``torch.foo`` unmodelled, 3 calls a trajectory, all before step 1's records)."""
+    from tracer.trace.store import TraceWriter
+    meta = {"ops": {"unmodelled": UNMODELLED, "perturbed": {"torch.matmul": 4}, "exact": {}, "optimizer": {},
+                    "accepted": {"torch.bar": 2}},
+            "accepted_ops": {"torch.bar": "a copy: exact"}} if census else None
+    w = TraceWriter(root, 0, 1, {}, "tiny", run_id=f"{root.name}-{seed}", run_meta=meta)
+    for step in (0, 1):
+        for i, name in enumerate(("a.output", "b.output", *extra)):
+            x = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 + 10 * step + i))
+            x = x + offset * torch.randn(8, 16, generator=torch.Generator().manual_seed(seed + i))
+            x = x * bug if (step, name) == (0, "b.output") else x
+            w.add(prefix + name, x, phase="fwd", step=step,
+                  meta={"unmodelled_before": 3 * step} if census else None)
+        w.flush_step(step)
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def ct(tmp_path_factory):
+    t = tmp_path_factory.mktemp("cov")
+    for ref, census in (("ref", False), ("ref_unmodelled", True)):
+        _trace(t / ref)
+        for i in range(2):
+            _trace(t / ref / "noise" / f"sample_{i}", offset=1e-6, seed=i + 1, census=census)
+    _trace(t / "cand", prefix="module.", offset=1e-7, seed=9)  # DDP's prefix
+    _trace(t / "cand_dropout", offset=1e-7, seed=9, extra=("drop.dropout",))
+    return t
+
+
+def _compare(argv, capsys):
+    from tracer.cli import main as ttrace
+    code = ttrace(["compare", *map(str, argv), "--no-plot"])
+    out, err = capsys.readouterr()
+    assert "Traceback" not in out + err
+    return code, out, err
+
+
+def test_compare_strips_wrapper_prefixes_and_says_so(ct, tmp_path, capsys):
+    from tracer.compare.check import compare
+    from tracer.report.summary import summary
+    code, out, _ = _compare([ct / "ref", ct / "cand", "--report", tmp_path / "r"], capsys)
+    assert code == 0 and "verdict: consistent" in out
+    assert "names matched after stripping 'module.' from the candidate" in out
+    assert "op coverage: not recorded by the noise samples" in out  # samples without a census
+    assert json.loads((tmp_path / "r.json").read_text())["stripped_prefixes"] == {"candidate": ["module."]}
+    assert "stripping" not in summary(compare(ct / "ref", ct / "ref" / "noise" / "sample_0",
+                                              noise=[ct / "ref" / "noise" / "sample_1"]))
+
+
+def test_compare_skip(ct, tmp_path, capsys):
+    code, _, err = _compare([ct / "ref", ct / "cand_dropout", "--report", tmp_path / "r"], capsys)
+    assert code == 2 and "only in the candidate ('fwd drop.dropout mb 0')" in err.strip().splitlines()[-1]
+    code, out, _ = _compare([ct / "ref", ct / "cand_dropout", "--report", tmp_path / "r", "--skip", "fwd *.dropout",
+                             "--skip", "nothing.matches"], capsys)
+    assert code == 0 and "verdict: consistent   (4 tensors compared: 4 ok)" in out
+    assert "2 records left out by --skip/skip= (either side): step 0 fwd drop.dropout mb 0 (candidate); " \
+           "step 1 fwd drop.dropout mb 0 (candidate)" in out
+    assert len(json.loads((tmp_path / "r.json").read_text())["skipped"]) == 2
+
+
+def test_unverified_exits_2_and_names_the_ops(ct, tmp_path, capsys):
+    code, out, err = _compare([ct / "ref_unmodelled", ct / "cand", "--report", tmp_path / "r"], capsys)
+    assert code == 2
+    assert "verdict: unverified   (4 tensors compared: 2 ok, 2 unmodelled)" in out
+    assert "op coverage: unmodelled ops torch.foo x3: 2 tensor(s) after them not verified (status unmodelled)" in out
+    assert "accepted unperturbed by the integration: torch.bar (a copy: exact)" in out
+    assert "no tensor over its threshold, but 2 tensor(s) come after ops without an error model" in out
+    assert "not judged: 2 unmodelled; first: step 1 fwd a.output" in out
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("ttrace compare: unverified: 2 compared tensor(s) come after ops without an error "
+                           "model (torch.foo x3 calls in a noise sample)") and "--accept-unmodelled" in last
+    report = json.loads((tmp_path / "r.json").read_text())  # the report is written all the same
+    assert report["verdict"] == "unverified" and report["coverage"]["unmodelled"] == UNMODELLED
+
+
+def test_accept_unmodelled(ct, tmp_path, capsys):
+    code, out, err = _compare([ct / "ref_unmodelled", ct / "cand", "--report", tmp_path / "r",
+                               "--accept-unmodelled"], capsys)
+    assert code == 0 and err == ""
+    assert "verdict: consistent   (4 tensors compared: 4 ok)" in out
+    assert "op coverage: unmodelled ops torch.foo x3: accepted by the user (accept_unmodelled=True)" in out
+    assert "not judged" not in out
+
+
+def test_divergent_listing_counts_only_divergences(ct, tmp_path, capsys):
+    _trace(tmp_path / "bug", offset=1e-7, seed=9, bug=1.01)
+    code, out, err = _compare([ct / "ref_unmodelled", tmp_path / "bug", "--report", tmp_path / "r"], capsys)
+    assert code == 1 and err == "" and "verdict: DIVERGENT   (4 tensors compared: 1 ok, 1 over, 2 unmodelled)" in out
+    assert "first divergence: step 0, phase fwd, tensor b.output" in out
+    assert "  1 tensors over threshold; largest:" in out
+    assert "not judged: 2 unmodelled; first: step 1 fwd a.output (mb 0): unmodelled" in out

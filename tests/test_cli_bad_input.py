@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def _write(root: Path, *, world: int = 1, offset: float = 0.0, seed: int = 0, sig: str = "tiny") -> None:
     """A two-step trace of one forward tensor, ``offset`` times seeded noise away from the reference's."""
     for rank in range(world):
-        w = TraceWriter(root, rank, world, {"tp": world}, sig, run_id=f"r{seed}")
+        w = TraceWriter(root, rank, world, {"tp": world}, sig, run_id=f"{root.name}-{seed}")  # one run id a trace
         for step in (0, 1):
             x = torch.randn(8, 16, generator=torch.Generator().manual_seed(100 + step))
             x = x + offset * torch.randn(8, 16, generator=torch.Generator().manual_seed(seed))
@@ -151,25 +151,40 @@ COMPARE = [
     ("false-alarm-one", ["compare", REF, CAND, "--false-alarm", "1"], "strictly between 0 and 1, got '1'"),
     ("step-negative", ["compare", REF, CAND, "--step", "-1"], "argument --step: expected an integer >= 0"),
     ("step-word", ["compare", REF, CAND, "--step", "two"], "argument --step: expected an integer, got 'two'"),
-    ("step-absent", ["compare", REF, CAND, "--step", "9"], "--step 9: not a step of both traces (common steps: [0, 1])"),
+    ("step-absent", ["compare", REF, CAND, "--step", "9"],
+     "step(s) [9] requested but not traced by both: reference '{t}/ref' has steps [0, 1]"),
     ("top-negative", ["compare", REF, CAND, "--top", "-1"], "argument --top: expected an integer >= 0"),
-    ("reference-missing", ["compare", "{t}/nope", CAND], "reference '{t}/nope' is not a trace directory"),
-    ("candidate-a-file", ["compare", REF, "{t}/afile"], "(no run.json; it is a file)"),
-    ("candidate-not-a-trace", ["compare", REF, "{t}/empty"], "candidate '{t}/empty' is not a trace directory (no run.json)"),
+    # a path without run.json: the TraceReader's error, naming the file
+    ("reference-missing", ["compare", "{t}/nope", CAND], "no run.json: not a trace directory, or rank 0 never "
+                                                        "started tracing [file {t}/nope/run.json]"),
+    ("candidate-a-file", ["compare", REF, "{t}/afile"], "no run.json: not a trace directory"),
+    ("candidate-not-a-trace", ["compare", REF, "{t}/empty"], "not a trace directory, or rank 0 never started "
+                                                            "tracing [file {t}/empty/run.json]"),
     ("reference-corrupt", ["compare", "{t}/corrupt", CAND], "not valid JSON"),
-    ("same-directory", ["compare", REF, REF], "reference and candidate are the same directory"),
-    ("same-directory-via-link", ["compare", REF, "{t}/ref_link"], "reference and candidate are the same directory"),
-    ("swapped-multi-rank", ["compare", "{t}/multi", REF], "traced on 2 ranks; the reference is the single-device run"),
-    ("swapped-noise", ["compare", CAND, REF], "has no noise samples (noise/sample_*/run.json) (the candidate has them: "
-                                              "are reference and candidate swapped?)"),
+    # the refusals of tracer.compare.check.compare (docs/tracing.md, "What a comparison refuses")
+    ("same-directory", ["compare", REF, REF], "reference '{t}/ref' and candidate '{t}/ref' are the same directory"),
+    ("same-directory-via-link", ["compare", REF, "{t}/ref_link"], "are the same directory: comparing a run with "
+                                                                  "itself says nothing"),
+    ("swapped-multi-rank", ["compare", "{t}/multi", REF], "was traced on 2 ranks: the reference is the single-device "
+                                                          "run with noise samples; is this the candidate (reference "
+                                                          "and candidate swapped)?"),
+    ("swapped-noise", ["compare", CAND, REF], "(the candidate has noise samples: reference and candidate swapped?)"),
     ("no-noise-samples", ["compare", "{t}/nonoise", CAND], "reference '{t}/nonoise' has no noise samples"),
-    ("noise-is-reference", ["compare", REF, CAND, "--noise", REF], "--noise '{t}/ref' is the reference itself"),
-    ("noise-is-candidate", ["compare", REF, CAND, "--noise", CAND], "--noise '{t}/cand' is the candidate itself"),
-    ("noise-parent-dir", ["compare", REF, CAND, "--noise", "{t}/ref/noise"], "is not a noise sample (no run.json)"),
-    ("noise-missing", ["compare", REF, CAND, "--noise", "{t}/nope"], "--noise '{t}/nope' is not a noise sample"),
+    ("noise-is-reference", ["compare", REF, CAND, "--noise", REF],
+     "noise sample '{t}/ref' is the reference ('{t}/ref'), not a noise sample"),
+    ("noise-is-candidate", ["compare", REF, CAND, "--noise", CAND],
+     "noise sample '{t}/cand' is the candidate ('{t}/cand'), not a noise sample"),
+    ("noise-parent-dir", ["compare", REF, CAND, "--noise", "{t}/ref/noise"],
+     "no run.json: not a trace directory, or rank 0 never started tracing [file {t}/ref/noise/run.json]"),
+    ("noise-missing", ["compare", REF, CAND, "--noise", "{t}/nope"], "[file {t}/nope/run.json]"),
+    # the one check of the command line's own: compare would use the sample twice
     ("noise-twice", ["compare", REF, CAND, "--noise", "{t}/ref/noise/sample_0", "--noise", "{t}/ref/noise/sample_0"],
      "is given twice"),
-    ("noise-multi-rank", ["compare", REF, CAND, "--noise", "{t}/multi"], "a noise sample is a single-device trace"),
+    ("noise-twice-spelled-differently", ["compare", REF, CAND, "--noise", "{t}/ref/noise/sample_0",
+                                         "--noise", "{t}/ref/noise/../noise/sample_0"], "is given twice"),
+    ("noise-multi-rank", ["compare", REF, CAND, "--noise", "{t}/multi"],
+     "was traced on 2 ranks; a noise sample is a single-device run of the reference"),
+    ("skip-everything", ["compare", REF, CAND, "--skip", "m.*"], "once skip=['m.*'] left out 4 records"),
     ("other-model", ["compare", REF, "{t}/other"], "model signature"),
     ("report-symlink", ["compare", REF, CAND, "--report", "{t}/link", "--no-plot"], "is a symbolic link"),
     ("report-foreign", ["compare", REF, CAND, "--report", "{t}/foreign", "--no-plot"], "did not write is in the way"),
@@ -232,7 +247,7 @@ def test_an_unexpected_exception_exits_3_without_traceback(t, capsys, monkeypatc
 def test_real_exit_status_of_bad_input(t):
     p = subprocess.run([sys.executable, "-m", "tracer.cli", "compare", str(t / "ref"), str(t / "ref")], cwd=ROOT,
                        capture_output=True, text=True, timeout=120)
-    assert p.returncode == 2 and "reference and candidate are the same directory" in p.stderr
+    assert p.returncode == 2 and "are the same directory" in p.stderr
     assert "Traceback" not in p.stderr
 
 

@@ -8,7 +8,8 @@
                                      CPU harness lives in ``examples/``, not in the package)
 
 Exit status of every command (:func:`ttrace_num.cli.run_cli`): 0 consistent / success,
-1 divergent, 2 bad input (a one-line message names the option, file, rank, step or tensor),
+1 divergent, 2 bad input (a one-line message names the option, file, rank, step or tensor;
+``compare``: also an ``unverified`` verdict, tensors after ops without an error model),
 3 internal error. docs/tracing.md, "Exit codes and error messages".
 """
 from __future__ import annotations
@@ -19,11 +20,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from tracer.errors import TraceError
-from tracer.trace.store import RUN_FILE
+from tracer.errors import EXIT_BAD_INPUT, EXIT_CONSISTENT, EXIT_DIVERGENT, TraceError
 from ttrace_num.cli import UsageError, build_parser as numerics_parser, int_at_least, probability, run_cli
 
 REPORT_SUFFIX = ".ttrace_report"
+PROG = "ttrace"
+#: ``ttrace compare``'s exit status for the verdict ``unverified`` (compared tensors after ops without an
+#: error model, not accepted): the input does not let ttrace verify the candidate, as with bad input
+EXIT_UNVERIFIED = EXIT_BAD_INPUT
 
 
 def default_report(candidate: str | Path) -> Path:
@@ -31,15 +35,6 @@ def default_report(candidate: str | Path) -> Path:
     (``runs/cand`` -> ``runs/cand.ttrace_report``, written as ``.json`` and ``.png``)."""
     cand = Path(os.path.abspath(candidate))  # abspath: no trailing slash, symlinks not followed
     return cand.with_name(cand.name + REPORT_SUFFIX)
-
-
-def _trace_dir(path: str, what: str) -> Path:
-    """``path`` as a trace directory (it holds ``run.json``), or a :class:`UsageError` naming ``what``."""
-    p = Path(path)
-    if not (p / RUN_FILE).is_file():
-        why = "; the path does not exist" if not p.exists() else "; it is a file" if not p.is_dir() else ""
-        raise UsageError(f"{what} {path!r} is not a trace directory (no {RUN_FILE}{why})")
-    return p
 
 
 def _same(a: Path, b: Path) -> bool:
@@ -50,43 +45,27 @@ def _same(a: Path, b: Path) -> bool:
 
 
 def check_compare_inputs(args: argparse.Namespace) -> None:
-    """Everything about the traces that the command line can get wrong, checked before the
-    comparison (which reads them all): reference and candidate are traces and not the same
-    directory, the reference is single-device (else: swapped?), every ``--noise`` is a trace and
-    neither of them, the reference has noise samples, ``--step`` is in both traces.
-    Raises :class:`UsageError`."""
-    from tracer.compare.check import noise_dirs
-    from tracer.trace.store import TraceReader
-    ref, cand = _trace_dir(args.reference, "reference"), _trace_dir(args.candidate, "candidate")
-    if _same(ref, cand):
-        raise UsageError(f"reference and candidate are the same directory ({args.reference}); give the reference "
-                         "(the single-device run with noise samples) first, then the candidate")
-    ref_reader, cand_reader = TraceReader(ref), TraceReader(cand)
-    if ref_reader.world_size > 1:
-        raise UsageError(f"reference {args.reference!r} was traced on {ref_reader.world_size} ranks; the reference "
-                         "is the single-device run with noise samples (are reference and candidate swapped?)")
-    samples = f"noise samples are the reference's {Path(args.reference) / 'noise' / 'sample_K'}; or leave --noise out"
-    seen: list[Path] = []
+    """What only the command line can get wrong, checked before the comparison (which reads every
+    trace): a ``--noise`` directory given twice. Everything about the traces themselves (a path
+    without ``run.json``, the same directory twice, a multi-rank reference, a noise sample that is
+    the reference or the candidate, no noise samples, a ``--step`` not traced by both) is
+    :func:`tracer.compare.check.compare`'s to refuse (docs/tracing.md, "What a comparison
+    refuses"). Raises :class:`UsageError`."""
+    seen: list[str] = []
     for n in args.noise or []:
-        p = Path(n)
-        if _same(p, ref) or _same(p, cand):
-            raise UsageError(f"--noise {n!r} is the {'reference' if _same(p, ref) else 'candidate'} itself, not a "
-                             f"noise sample; {samples}")
-        if any(_same(p, s) for s in seen):
+        if any(n == s or _same(Path(n), Path(s)) for s in seen):
             raise UsageError(f"--noise {n!r} is given twice")
-        if not (p / RUN_FILE).is_file():
-            raise UsageError(f"--noise {n!r} is not a noise sample (no {RUN_FILE}); {samples}")
-        if TraceReader(p).world_size > 1:
-            raise UsageError(f"--noise {n!r} was traced on several ranks; a noise sample is a single-device trace")
-        seen.append(p)
-    if not args.noise and not noise_dirs(ref):
-        swapped = " (the candidate has them: are reference and candidate swapped?)" if noise_dirs(cand) else ""
-        raise UsageError(f"reference {args.reference!r} has no noise samples (noise/sample_*/run.json){swapped}; "
-                         "the thresholds need them: trace the reference with noise samples or pass --noise DIR")
-    common = sorted(set(ref_reader.steps()) & set(cand_reader.steps()))
-    missing = [s for s in args.step or [] if s not in common]
-    if missing:
-        raise UsageError(f"--step {missing[0]}: not a step of both traces (common steps: {common})")
+        seen.append(n)
+
+
+def unverified_message(c) -> str:
+    """The one-line reason an ``unverified`` comparison exits :data:`EXIT_UNVERIFIED`."""
+    cov = c.coverage
+    ops = ", ".join(f"{name} x{n}" for name, n in sorted(cov.unmodelled.items()))
+    return (f"unverified: {cov.downstream} compared tensor(s) come after ops without an error model ({ops} "
+            "calls in a noise sample), so their thresholds do not cover those ops' rounding and ttrace cannot "
+            "verify the candidate there; model the ops (docs/tracing-pytorch.md, op coverage) or accept them "
+            "unperturbed with --accept-unmodelled")
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
@@ -96,14 +75,19 @@ def cmd_compare(args: argparse.Namespace) -> int:
     json_path, png_path = report_paths(args.report or default_report(args.candidate))
     for p in (json_path,) if args.no_plot else (json_path, png_path):
         check_report_path(p)  # before the comparison, which can take minutes
-    c = compare(args.reference, args.candidate, noise=args.noise or None, false_alarm=args.false_alarm,
+    c = compare(args.reference, args.candidate, noise=args.noise, false_alarm=args.false_alarm,
                 steps=sorted(set(args.step)) if args.step else None, progress=sys.stderr.isatty(),
-                block_scale=args.block_scale)
+                block_scale=args.block_scale, accept_unmodelled=args.accept_unmodelled, skip=args.skip)
     print(summary(c, top=args.top))
     print(f"report: {write_json(c, json_path)}")
     if not args.no_plot:
         print(f"plot: {plot(c, png_path)}")
-    return 0 if c.first is None else 1
+    if c.verdict == "DIVERGENT":
+        return EXIT_DIVERGENT
+    if c.verdict == "unverified":
+        print(f"{PROG} compare: {unverified_message(c)}", file=sys.stderr)
+        return EXIT_UNVERIFIED
+    return EXIT_CONSISTENT
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -133,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--report", metavar="PATH", help=f"report path without suffix, written as PATH.json and PATH.png "
                    f"(default: beside the candidate, CAND{REPORT_SUFFIX}); never through a symbolic link, never over "
                    "a file ttrace did not write")
+    c.add_argument("--skip", action="append", metavar="PATTERN",
+                   help="leave out the records matching this fnmatch pattern over 'phase name' or the name, on both "
+                        "sides (repeatable; e.g. 'fwd *.dropout.*'); they are listed in the report")
+    c.add_argument("--accept-unmodelled", action="store_true",
+                   help="accept the ops the noise samples did not model (their census): tensors after them are "
+                        "judged as usual (else they are 'unmodelled' and the verdict 'unverified', exit 2)")
     c.add_argument("--top", type=int_at_least(0), default=5, help="how many of the worst tensors to list")
     c.add_argument("--no-plot", action="store_true")
     c.set_defaults(func=cmd_compare)

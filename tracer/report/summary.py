@@ -1,8 +1,8 @@
 """Reports of a comparison: terminal summary, JSON file, PNG plot of error/threshold.
 
 The plot shows every compared tensor in the reference's execution order (x) against its
-error/threshold ratio (y, log scale), coloured by phase, with the threshold line at 1 and
-the first divergence marked: the picture of where a run starts to go wrong.
+error/threshold ratio (y, log scale), coloured by phase, with the threshold line at 1, the
+tensors with status ``unmodelled`` ringed and the first divergence marked: the picture of where a run starts to go wrong.
 
 Report files are written safely (docs/tracing.md, "Exit codes and error messages"): never
 through a symbolic link, never over a file this tool did not write (a JSON report carries
@@ -40,19 +40,57 @@ def _fmt_ratio(r: float) -> str:
     return "inf" if math.isinf(r) else ("n/a" if math.isnan(r) else f"{r:.3g}")
 
 
+#: statuses of a tensor that diverges (the first divergence is the first of them)
+DIVERGED = ("over", "nonfinite", "replicas")
+#: statuses of a tensor that is neither within its threshold nor a divergence
+NOT_JUDGED = ("unmodelled", "unchecked")
+
+
+def _few(items: list[str], shown: int = 3) -> str:
+    return "; ".join(items[:shown]) + (f"; and {len(items) - shown} more" if len(items) > shown else "")
+
+
+def _coverage_lines(c: Comparison) -> list[str]:
+    """The op coverage of the noise samples (:class:`tracer.compare.coverage.Coverage`): its
+    summary line, the ops accepted unperturbed with their reasons, the optimizer's ops."""
+    cov = c.coverage
+    if cov is None:
+        return []
+    lines = [f"  {cov.summary()}"]
+    if cov.recorded and cov.accepted:
+        lines.append("  accepted unperturbed by the integration: "
+                     + "; ".join(f"{op} ({why})" for op, why in cov.accepted.items()))
+    if cov.recorded and cov.optimizer:
+        lines.append("  not perturbed inside the optimizer's step (assumed the same elementwise update in the "
+                     "candidate): " + ", ".join(f"{op} x{n}" for op, n in cov.optimizer.items()))
+    return lines
+
+
 def summary(c: Comparison, top: int = 5) -> str:
-    """Human-readable verdict: counts, the safety margin, the first divergence and where it is."""
+    """Human-readable verdict: counts, the safety margin, what was matched, left out and not
+    modelled, the first divergence and where it is."""
     counts = c.counts()
     lines = [f"verdict: {c.verdict}   ({len(c.rows)} tensors compared: "
-             + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) + ")",
+             + ", ".join(f"{v} {k}" for k, v in sorted((str(k), v) for k, v in counts.items())) + ")",
              f"  reference {c.reference}  vs  candidate {c.candidate} (layout {c.candidate_layout})",
              f"  thresholds: {c.noise_samples} noise samples, false-alarm probability {c.false_alarm:g} per "
              f"comparison; largest error/threshold within threshold: {c.max_ratio_ok:.3g}"]
+    for side, prefixes in sorted(c.stripped_prefixes.items()):
+        lines.append(f"  names matched after stripping {', '.join(repr(p) for p in prefixes)} from the {side}")
+    if c.skipped:
+        lines.append(f"  {len(c.skipped)} records left out by --skip/skip= (either side): {_few(c.skipped)}")
     if c.unmatched:
         lines.append(f"  {len(c.unmatched)} tensors traced by one run only (not compared), e.g. {c.unmatched[0]}")
+    lines += _coverage_lines(c)
+    not_judged = [r for r in c.rows if str(r.status) in NOT_JUDGED]
     f = c.first
     if f is None:
-        lines.append("  no tensor over its threshold")
+        if c.verdict == "unverified":
+            lines.append(f"  no tensor over its threshold, but {counts.get('unmodelled', 0)} tensor(s) come after "
+                         "ops without an error model: not verified (accept the ops with --accept-unmodelled / "
+                         "compare(accept_unmodelled=True), or model them)")
+        else:
+            lines.append("  no tensor over its threshold")
     else:
         where = f"candidate rank(s) {f.worst_ranks}" if f.worst_ranks else "all ranks"
         lines += [f"first divergence: step {f.step}, phase {f.phase}, tensor {f.name}"
@@ -64,9 +102,14 @@ def summary(c: Comparison, top: int = 5) -> str:
                   + f" = {_fmt_ratio(f.ratio)}x over ({f.status}); max |diff| {f.max_abs:.3g} on {where}",
                   f"  {f.note}" if f.note else "",
                   f"localisation: {c.localisation}"]
-        worst = sorted((r for r in c.rows if r.status != "ok"), key=lambda r: -r.ratio if not math.isnan(r.ratio) else 0)
-        lines.append(f"  {sum(r.status != 'ok' for r in c.rows)} tensors over threshold; largest:")
+        over = [r for r in c.rows if str(r.status) in DIVERGED]
+        worst = sorted(over, key=lambda r: -r.ratio if not math.isnan(r.ratio) else 0)
+        lines.append(f"  {len(over)} tensors over threshold; largest:")
         lines += [f"    {_fmt_ratio(r.ratio):>8}x  {r.label}" for r in worst[:top]]
+    if not_judged:
+        by = {st: sum(str(r.status) == st for r in not_judged) for st in NOT_JUDGED}
+        lines.append("  not judged: " + ", ".join(f"{n} {st}" for st, n in by.items() if n) + "; first: "
+                     + _few([f"{r.label}: {r.status}" for r in not_judged], shown=min(top, 3) or 1))
     return "\n".join(x for x in lines if x)
 
 
@@ -170,6 +213,10 @@ def plot(c: Comparison, path: str | Path, title: str | None = None) -> Path:
         pts = [(x, y) for x, y, r in zip(xs, ys, c.rows) if r.phase == phase]
         if pts:
             ax.scatter(*zip(*pts), s=6, c=colour, label=phase)
+    unmodelled = [(x, y) for x, y, r in zip(xs, ys, c.rows) if str(r.status) == "unmodelled"]
+    if unmodelled:  # ringed: within threshold, but the threshold does not cover an unmodelled op
+        ax.scatter(*zip(*unmodelled), s=30, facecolors="none", edgecolors="black", lw=0.6,
+                   label="unmodelled (not verified)")
     ax.axhline(1.0, color="k", lw=1, ls="--", label="threshold")
     if c.first is not None:
         i = c.rows.index(c.first)
