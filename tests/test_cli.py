@@ -139,7 +139,7 @@ def test_unverified_exits_2_and_names_the_ops(ct, tmp_path, capsys):
     assert code == 2
     assert "verdict: unverified   (4 tensors compared: 2 ok, 2 unmodelled)" in out
     assert "op coverage: unmodelled ops torch.foo x3: 2 tensor(s) after them not verified (status unmodelled)" in out
-    assert "accepted unperturbed by the integration: torch.bar (a copy: exact)" in out
+    assert "accepted unperturbed by the integration:\n    torch.bar: a copy: exact" in out
     assert "no tensor over its threshold, but 2 tensor(s) come after ops without an error model" in out
     assert "not judged: 2 unmodelled; first: step 1 fwd a.output" in out
     last = err.strip().splitlines()[-1]

@@ -80,7 +80,7 @@ class Coverage:
         if not self.recorded:
             return "op coverage: not recorded by the noise samples"
         if not self.unmodelled:
-            extra = f"; accepted unperturbed: {', '.join(sorted(self.accepted))}" if self.accepted else ""
+            extra = f", or accepted unperturbed by the integration ({len(self.accepted)} ops)" if self.accepted else ""
             return f"op coverage: every rounding op perturbed or exact{extra}"
         ops = ", ".join(f"{n} x{c}" for n, c in sorted(self.unmodelled.items()))
         what = ("accepted by the user (accept_unmodelled=True)" if self.accepted_by_user

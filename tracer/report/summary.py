@@ -58,8 +58,8 @@ def _coverage_lines(c: Comparison) -> list[str]:
         return []
     lines = [f"  {cov.summary()}"]
     if cov.recorded and cov.accepted:
-        lines.append("  accepted unperturbed by the integration: "
-                     + "; ".join(f"{op} ({why})" for op, why in cov.accepted.items()))
+        lines.append("  accepted unperturbed by the integration:")
+        lines += [f"    {op}: {why}" for op, why in sorted(cov.accepted.items())]
     if cov.recorded and cov.optimizer:
         lines.append("  not perturbed inside the optimizer's step (assumed the same elementwise update in the "
                      "candidate): " + ", ".join(f"{op} x{n}" for op, n in cov.optimizer.items()))
