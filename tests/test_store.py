@@ -112,6 +112,29 @@ def test_nan_inf_are_findings_not_errors(tmp_path):
     assert torch.isnan(r.load(3, 0, f.key)).sum() == 2
 
 
+
+@pytest.mark.parametrize("mode", ["full", "stats"])
+def test_phase_members_write_the_same_bytes_as_their_names(tmp_path, mode):
+    """A :class:`~tracer.trace.schema.Phase` member and its name write byte-identical manifests
+    and tensor files (the manifest's phase and the tensor keys are plain strings)."""
+    from tracer.trace.schema import Phase
+    for sub, phases in (("names", ("fwd", "bwd", "grad_norm")), ("members", (Phase.FWD, Phase.BWD, Phase.GRAD_NORM))):
+        w = TraceWriter(tmp_path / sub, 0, 1, LAYOUT, SIG, run_id="r1", mode=mode)
+        for i, phase in enumerate(phases):
+            w.add(f"t{i}", torch.arange(6.0).reshape(2, 3) * (i + 1), phase=phase, step=0, microbatch=i % 2,
+                  meta={"call": 0})
+        w.flush_step(0)
+    m_names, m_members = (manifest_path(tmp_path / sub, 0, 0).read_bytes() for sub in ("names", "members"))
+    assert m_members == m_names
+    entries = json.loads(m_members)["entries"]
+    assert [(e["phase"], e["key"]) for e in entries] == [("fwd", "fwd/t0/mb0/i0"), ("bwd", "bwd/t1/mb1/i1"),
+                                                         ("grad_norm", "grad_norm/t2/mb0/i2")]
+    assert all(type(e["phase"]) is str for e in entries) and b"Phase" not in m_members
+    if mode == "full":
+        assert tensor_path(tmp_path / "members", 0, 0).read_bytes() == tensor_path(tmp_path / "names", 0, 0).read_bytes()
+    assert TraceReader(tmp_path / "members").entries(0, 0)[2].phase == Phase.GRAD_NORM
+
+
 def test_duplicate_index_and_reflush_refused(tmp_path):
     w = TraceWriter(tmp_path, 0, 1, LAYOUT, SIG)
     w.add("a", torch.ones(1), phase="fwd", step=0, index=4)

@@ -68,6 +68,27 @@ def test_bug_detected_at_expected_tensor(traces):
     assert "replicas over dp differ" in f.note and "reduction over that group is missing" in c.localisation
 
 
+def test_report_json_and_summary_have_plain_strings(traces, tmp_path):
+    """Statuses are str enums (tracer.trace.schema.Status), the report's phase tables are keyed by
+    Phase members: the JSON report, the summary and the plot write plain names."""
+    import json
+
+    from tracer.report.summary import plot, summary, write_json
+    from tracer.trace.schema import Status
+    c = compare(traces / "ref_bf16", traces / "bug_bf16")
+    assert isinstance(c.first.status, Status)
+    text = write_json(c, tmp_path / "r.json").read_text()
+    assert "Status" not in text and "Phase" not in text
+    d = json.loads(text)
+    assert {"ok", "replicas"} <= set(d["counts"]) and all(type(k) is str for k in d["counts"])
+    assert (d["first_divergence"]["status"], d["first_divergence"]["phase"]) == (str(c.first.status), str(c.first.phase))
+    assert {r["status"] for r in d["tensors"]} == {str(r.status) for r in c.rows}
+    assert {r["phase"] for r in d["tensors"]} == {"fwd", "bwd", "loss", "grad", "param"}
+    s = summary(c)
+    assert "Status" not in s and "Phase" not in s and f"phase {c.first.phase}," in s
+    plot(c, tmp_path / "r.png")
+
+
 def test_candidate_records(traces):
     """Global microbatch numbers, the 1/dp activation-gradient scale, replicated params."""
     r = TraceReader(traces / "ddp_fp32")

@@ -141,7 +141,7 @@ class DDPTracer:
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """Record this microbatch's loss (phase ``loss``; call before scaling it)."""
-        self.tracer.record("loss", loss.detach(), "loss", placement=self.loss_placement)
+        self.tracer.record("loss", loss.detach(), Phase.LOSS, placement=self.loss_placement)
 
     def _record_params(self, tensors_of: Callable[[torch.Tensor], dict[str, torch.Tensor | None]]) -> None:
         """Record ``tensors_of(p)`` (phase -> tensor, None: not recorded) of every parameter, in
@@ -157,7 +157,7 @@ class DDPTracer:
         """Record the reduced gradients (phase ``grad``); call after the last microbatch's
         backward (DDP's all-reduce has completed when ``backward()`` returns)."""
         if "grad" in self.capture:
-            self._record_params(lambda p: {"grad": p.grad})
+            self._record_params(lambda p: {Phase.GRAD: p.grad})
 
     def after_optimizer_step(self) -> None:
         """Record the optimizer's options (capture ``options``), the updated parameters (phase
@@ -167,9 +167,9 @@ class DDPTracer:
             with torch._C.DisableTorchFunction():  # the tracer's own arithmetic: no noise injector sees it
                 options = optimizer_options(self.optimizer)
             for name, t in options.items():
-                self.tracer.record(f"optimizer.{name}", t, "options", placement=self.options_placement)
+                self.tracer.record(f"optimizer.{name}", t, Phase.OPTIONS, placement=self.options_placement)
         if "param" in self.capture:
-            self._record_params(lambda p: {"param": p})
+            self._record_params(lambda p: {Phase.PARAM: p})
         if "optim" in self.capture:
             self._record_params(lambda p: main_param_and_state(self.optimizer, p)[0])
 

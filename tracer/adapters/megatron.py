@@ -319,16 +319,16 @@ class MegatronTracer:
         if getattr(p, "tensor_model_parallel", False):
             dims.append(_tp(self.par, int(p.partition_dim)))
         elif self.par["tp"] > 1:
-            kind = "partial" if phase == "grad_local" and getattr(p, "sequence_parallel", False) else "replicated"
+            kind = "partial" if phase == Phase.GRAD_LOCAL and getattr(p, "sequence_parallel", False) else "replicated"
             dims.append(ShardDim(None, "tp", self.par["tp_rank"], self.par["tp"], kind))
         _, tied = self._param_name(local)
         c, inner = self._chunk(local)
         if getattr(self.chunks[c], "share_embeddings_and_output_weights", False) and self.par["pp"] > 1 and (
                 tied or inner == "embedding.word_embeddings.weight"):
-            kind = "partial" if phase == "grad_local" else "replicated"
+            kind = "partial" if phase == Phase.GRAD_LOCAL else "replicated"
             dims.append(ShardDim(None, "tied", 1 if tied else 0, 2, kind))
         if self.par["dp"] > 1:
-            kind = "partial" if phase == "grad_local" else "replicated"
+            kind = "partial" if phase == Phase.GRAD_LOCAL else "replicated"
             dims.append(ShardDim(None, "dp", self.par["dp_rank"], self.par["dp"], kind))
         return Placement(tuple(dims)).to_dict()
 
@@ -357,10 +357,10 @@ class MegatronTracer:
             name, _ = self._param_name(local)
             placement = self.param_placement(local, p, phase)
             meta = {"param": local}
-            if phase == "grad_local" and self.par["dp"] > 1:
+            if phase == Phase.GRAD_LOCAL and self.par["dp"] > 1:
                 g = g * (1.0 / self.par["dp"])  # megatron's gradient_scaling_factor (a copy; exact for dp = 2^k)
                 meta["scaled_by"] = 1.0 / self.par["dp"]
-            if phase == "grad" and distopt and self.par["dp"] > 1:
+            if phase == Phase.GRAD and distopt and self.par["dp"] > 1:
                 rng = self._distopt_range(p)
                 if rng is None:
                     continue
@@ -378,10 +378,10 @@ class MegatronTracer:
 
     def _finalize(self, *args: Any, **kwargs: Any) -> Any:
         if self.tracer.active and "grad_local" in self.capture:
-            self._record_grads("grad_local")
+            self._record_grads(Phase.GRAD_LOCAL)
         out = self._orig_finalize(*args, **kwargs)
         if self.tracer.active and "grad" in self.capture:
-            self._record_grads("grad")
+            self._record_grads(Phase.GRAD)
         return out
 
     def wrap_forward_step(self, forward_step: Callable) -> Callable:
@@ -399,13 +399,13 @@ class MegatronTracer:
             output, loss_func = forward_step(data_iterator, model, *rest)
             last = self.par["last_stage"] and c == len(self.chunks) - 1
             if self.tracer.active and last and isinstance(output, torch.Tensor):
-                self.tracer.record("loss_per_token", output.detach(), "loss", placement=self._replicated_all())
+                self.tracer.record("loss_per_token", output.detach(), Phase.LOSS, placement=self._replicated_all())
 
             def traced_loss(*a: Any, **k: Any) -> Any:
                 out = loss_func(*a, **k)
                 loss = out[0] if isinstance(out, tuple) else out
                 if self.tracer.active:
-                    self.tracer.record("loss", loss.detach(), "loss", placement=self._replicated_all())
+                    self.tracer.record("loss", loss.detach(), Phase.LOSS, placement=self._replicated_all())
                 return out
             return output, traced_loss
         return step_fn
@@ -427,16 +427,16 @@ class MegatronTracer:
         self.tracer.set_microbatch(0)
         if grad_norm is not None:
             gn = grad_norm if isinstance(grad_norm, torch.Tensor) else torch.tensor(float(grad_norm), dtype=torch.float64)
-            self.tracer.record("grad_norm", gn.reshape(()), "grad_norm", placement=self._all_replicas())
+            self.tracer.record("grad_norm", gn.reshape(()), Phase.GRAD_NORM, placement=self._all_replicas())
         if "options" in self.capture and self.optimizer is not None:
             for name, t in optimizer_options(self.optimizer).items():
-                self.tracer.record(f"optimizer.{name}", t, "options", placement=self._all_replicas())
+                self.tracer.record(f"optimizer.{name}", t, Phase.OPTIONS, placement=self._all_replicas())
         if "cast" in self.capture and self.optimizer is not None:
             self._record_cast_check()
         if "param" in self.capture:
             for local, p in self.params.items():
                 name, _ = self._param_name(local)
-                self.tracer.record(name, p, "param", placement=self.param_placement(local, p, "param"),
+                self.tracer.record(name, p, Phase.PARAM, placement=self.param_placement(local, p, Phase.PARAM),
                                    meta={"param": local})
         if "optim" in self.capture:
             self._record_optimizer_state()
@@ -455,7 +455,7 @@ class MegatronTracer:
             differing, checked = differing + found[0], checked + found[1]
             if found[0]:
                 where.append([self._param_name(local)[0], found[0], found[1]])
-        self.tracer.record("optimizer.main_param_cast", torch.tensor(differing, dtype=torch.int64), "cast",
+        self.tracer.record("optimizer.main_param_cast", torch.tensor(differing, dtype=torch.int64), Phase.CAST,
                            placement=self._all_replicas(), meta={"checked": checked, "differing": where[:8]})
 
     def _record_optimizer_state(self) -> None:
@@ -470,7 +470,7 @@ class MegatronTracer:
                 continue
             tensors, rng = found
             name, _ = self._param_name(local)
-            placement = self.param_placement(local, p, "param")
+            placement = self.param_placement(local, p, Phase.PARAM)
             whole = rng is None or self.par["dp"] == 1  # else: a flat range, maybe all of p, on this DP rank
             if not whole:
                 placement = self._flat_shard(placement, rng, p)

@@ -53,6 +53,7 @@ import torch
 from torch import nn
 
 from tracer.errors import TraceError
+from tracer.trace.schema import Phase
 from tracer.trace.store import TraceWriter
 
 CAPTURES = ("fwd_in", "fwd_out", "bwd_out", "bwd_in", "grad", "param")
@@ -202,7 +203,7 @@ class Tracer:
             for suffix, t in _inputs(args, kwargs):
                 name = _join(canon, _join("input", suffix))
                 if "fwd_in" in self.capture and not recompute:
-                    self._emit(name, t, "fwd", local)
+                    self._emit(name, t, Phase.FWD, local)
                 if "bwd_in" in self.capture and _needs_grad_hook(t, recompute):
                     self._watch_grad(t, _join(canon, _join("input_grad", suffix)), local)
         return hook
@@ -214,7 +215,7 @@ class Tracer:
             recompute = _in_backward()
             for suffix, t in _outputs(output):
                 if "fwd_out" in self.capture and not recompute:
-                    self._emit(_join(canon, _join("output", suffix)), t, "fwd", local)
+                    self._emit(_join(canon, _join("output", suffix)), t, Phase.FWD, local)
                 if "bwd_out" in self.capture and _needs_grad_hook(t, recompute):
                     self._watch_grad(t, _join(canon, _join("output_grad", suffix)), local)
         return hook
@@ -225,14 +226,14 @@ class Tracer:
         def hook(grad: torch.Tensor) -> None:
             if self._step is not None:
                 g = grad if self.grad_scale == 1.0 else grad * self.grad_scale  # a scaled copy
-                self._emit(name, g, "bwd", local, microbatch=microbatch,
+                self._emit(name, g, Phase.BWD, local, microbatch=microbatch,
                            meta={"scaled_by": self.grad_scale} if self.grad_scale != 1.0 else None)
         self._tensor_handles.append(t.register_hook(hook))
 
     def _grad_hook(self, local: str, canon: str) -> Callable:
         def hook(p: torch.Tensor) -> None:
             if self._step is not None and p.grad is not None:
-                self._emit(canon, p.grad, "grad", local)
+                self._emit(canon, p.grad, Phase.GRAD, local)
         return hook
 
     # recording -----------------------------------------------------------------
@@ -270,7 +271,7 @@ class Tracer:
         if "param" not in self.capture:
             return
         for local, (canon, p) in self.params.items():
-            self._emit(canon, p, "param", local)
+            self._emit(canon, p, Phase.PARAM, local)
 
     # step bookkeeping -------------------------------------------------------------
     def begin_step(self, step: int) -> None:

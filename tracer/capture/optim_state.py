@@ -58,13 +58,14 @@ def main_param_and_state(optimizer: Any, p: torch.Tensor
                 continue
             state = dict(opt._get_main_param_and_optimizer_states(p))
             r = opt._get_model_param_range_map(p)["param"]
-            return {"main_param": state["param"], **{k: state[k] for k in ADAM_MOMENTS if k in state}}, (r.start, r.end)
+            return ({Phase.MAIN_PARAM: state["param"], **{k: state[k] for k in ADAM_MOMENTS if k in state}},
+                    (r.start, r.end))
         main = getattr(p, "main_param", None)
         main = p if main is None else main
         inner = getattr(opt, "optimizer", opt)
         if any(q is main for g in inner.param_groups for q in g["params"]):
             state = inner.state.get(main, {})
-            return {"main_param": main, **{k: state[k] for k in ADAM_MOMENTS if k in state}}, None
+            return {Phase.MAIN_PARAM: main, **{k: state[k] for k in ADAM_MOMENTS if k in state}}, None
     if distributed:
         return None
     raise ValueError(f"parameter of shape {tuple(p.shape)} is in none of the optimizer's param groups")
@@ -160,7 +161,7 @@ def cast_mismatches(optimizer: Any, p: torch.Tensor, chunk: int = 1 << 20) -> tu
     model = p.detach().reshape(-1)
     if rng is not None:
         model = model[rng[0]:rng[1]]
-    main = tensors["main_param"].detach().reshape(-1)
+    main = tensors[Phase.MAIN_PARAM].detach().reshape(-1)
     if main.shape != model.shape:
         raise ValueError(f"parameter of shape {tuple(p.shape)}: {model.numel()} model elements on this rank against "
                          f"{main.numel()} in its main copy")

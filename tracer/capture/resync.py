@@ -39,7 +39,7 @@ import torch
 
 from tracer.compare.check import assembled_phases
 from tracer.errors import MissingRankError, TraceError
-from tracer.capture.optim_state import ADAM_MOMENTS, chained, main_param_and_state
+from tracer.capture.optim_state import chained, main_param_and_state
 from tracer.trace.schema import OPTIMIZER_STATE_PHASES, Phase
 from tracer.trace.store import TraceReader
 
@@ -105,7 +105,7 @@ def load_state(optimizer: Any, params: Iterable[tuple[str, torch.Tensor]],
         if found is None:
             continue
         tensors, rng = found
-        if set(tensors) != {"main_param", *ADAM_MOMENTS}:
+        if set(tensors) != OPTIMIZER_STATE_PHASES:
             raise ValueError(f"{name}: the reference's optimizer has no Adam moments yet (it loads the state of a "
                              "step it has taken itself: re-synchronise from step 1 on)")
         for phase, dst in tensors.items():
@@ -121,7 +121,7 @@ def load_state(optimizer: Any, params: Iterable[tuple[str, torch.Tensor]],
             opt._copy_main_params_to_model_params()
     differ = []
     for name, p in params:
-        own = state[name]["param"].to(p.device)
+        own = state[name][Phase.PARAM].to(p.device)
         if not torch.equal(p.detach(), own):
             differ.append(name)
             with torch.no_grad():

@@ -101,7 +101,7 @@ class Comparison:
     @property
     def max_ratio_ok(self) -> float:
         """Largest error/threshold among the tensors within threshold (the safety margin)."""
-        return max((r.ratio for r in self.rows if r.status == "ok" and math.isfinite(r.ratio)), default=0.0)
+        return max((r.ratio for r in self.rows if r.status == Status.OK and math.isfinite(r.ratio)), default=0.0)
 
     def counts(self) -> dict[str, int]:
         c: dict[str, int] = defaultdict(int)

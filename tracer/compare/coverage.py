@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tracer.trace.schema import Status
+
 __all__ = ["Coverage", "OPS_META", "UNMODELLED_META", "UNMODELLED_STATUS", "coverage_of", "mark_unmodelled",
            "verdict"]
 
@@ -39,7 +41,7 @@ __all__ = ["Coverage", "OPS_META", "UNMODELLED_META", "UNMODELLED_STATUS", "cove
 OPS_META = "ops"
 UNMODELLED_META = "unmodelled_before"
 #: status of a tensor within its threshold but downstream of an unmodelled op (not accepted)
-UNMODELLED_STATUS = "unmodelled"
+UNMODELLED_STATUS = Status.UNMODELLED
 #: run.json meta key of the reasons for the ops an integration accepted unperturbed
 ACCEPTED_META = "accepted_ops"
 
@@ -130,19 +132,10 @@ def mark_unmodelled(rows: Sequence[Any], noise_entries: Sequence[Sequence[Any]],
             continue
         cov.downstream += 1
         note = f"after {before} unmodelled op call(s) in the noise samples: its threshold does not cover them"
-        if str(row.status) == "ok" and not accept_unmodelled:
-            row.status = _status()
+        if str(row.status) == Status.OK and not accept_unmodelled:
+            row.status = UNMODELLED_STATUS
         row.note = f"{row.note}; {note}" if row.note else note
     return cov
-
-
-def _status() -> Any:
-    """The ``unmodelled`` status (the schema's enum member where there is one)."""
-    try:
-        from tracer.trace.schema import Status
-        return Status(UNMODELLED_STATUS)
-    except (ImportError, ValueError):
-        return UNMODELLED_STATUS
 
 
 def verdict(first: Any, coverage: Coverage | None) -> str:

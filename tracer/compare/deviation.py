@@ -49,7 +49,7 @@ import torch
 from tracer.compare.blockscale import block_grid, block_scales
 from tracer.compare.decisions import TOPK_CONSUMER_META, TOPK_META
 from tracer.errors import TraceError
-from tracer.trace.schema import Entry, RecordKey
+from tracer.trace.schema import Entry, Phase, RecordKey
 from tracer.trace.store import TraceReader, TraceWriter
 
 __all__ = ["DEVIATION_FIELD", "DeviationOf", "MomentAccumulator", "MomentWriter", "SampleMoments",
@@ -76,11 +76,11 @@ def work_dtype(*dtypes: torch.dtype) -> torch.dtype:
 def stored_rounded(phase: str, dtype: torch.dtype) -> bool:
     """A parameter after the update stored narrower than fp32: the rounding of an fp32 main
     parameter (where :func:`storage_rounding_excess` and its allowance apply)."""
-    return phase == "param" and dtype in (torch.bfloat16, torch.float16)
+    return phase == Phase.PARAM and dtype in (torch.bfloat16, torch.float16)
 
 
 #: phases whose tensors are parameter gradients: a 1-D one is a sum over every token
-_PARAMETER_GRADIENT_PHASES = ("grad_local", "grad", "main_grad")
+_PARAMETER_GRADIENT_PHASES = (Phase.GRAD_LOCAL, Phase.GRAD, Phase.MAIN_GRAD)
 
 
 def block_scale_applies(phase: str, ref: torch.Tensor) -> bool:

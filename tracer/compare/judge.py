@@ -32,7 +32,7 @@ from tracer.compare.deviation import (DeviationOf, SampleMoments, block_scale_ap
 from tracer.compare.difference import difference_norms
 from tracer.compare.thresholds import deviation_threshold, moments_threshold, noise_threshold, unmodelled_threshold
 from tracer.trace.canonical import shard
-from tracer.trace.schema import INVARIANT_PHASES, Entry, RecordKey
+from tracer.trace.schema import INVARIANT_PHASES, Entry, Phase, RecordKey, Status
 
 __all__ = ["TensorCheck", "check_routed", "check_stats_only", "check_tensor", "downstream_of_choices"]
 
@@ -125,7 +125,7 @@ def check_tensor(step: int, key: RecordKey, ref_e: Entry, ref_t: torch.Tensor, c
     phase = key.phase
     base = _identity(step, key, ref_e, ref_t)
     if tuple(cand_t.shape) != tuple(ref_t.shape):
-        return TensorCheck(**base, status="over", error=math.inf, threshold=0.0, ratio=math.inf,
+        return TensorCheck(**base, status=Status.OVER, error=math.inf, threshold=0.0, ratio=math.inf,
                            max_abs=math.inf, ref_norm=float(ref_t.double().norm()),
                            note=f"shape {list(cand_t.shape)} in the candidate vs {list(ref_t.shape)} in the "
                                 "reference (a wrong placement or a wrong computation)")
@@ -135,7 +135,7 @@ def check_tensor(step: int, key: RecordKey, ref_e: Entry, ref_t: torch.Tensor, c
     if work is None and work_dtype(ref_t.dtype, cand_t.dtype) == torch.float32:
         row = check_tensor(step, key, ref_e, ref_t, cand_t, notes, noisy, false_alarm, cand_entries, torch.float32,
                          block_scale=block_scale, few_sources=few_sources)
-        if row.status == "nonfinite" or not any(map(math.isinf, (row.error, row.threshold, row.ref_norm))):
+        if row.status == Status.NONFINITE or not any(map(math.isinf, (row.error, row.threshold, row.ref_norm))):
             return row  # else a float32 overflow: again in float64
     work = torch.float64 if work is None else work
     # with block_scale, two statistics where the block-scale one applies (and a sample can set
@@ -166,7 +166,7 @@ def check_tensor(step: int, key: RecordKey, ref_e: Entry, ref_t: torch.Tensor, c
                                                                            c[~cf].nan_to_num(1.0, 2.0, -2.0))):
             bad = (~cf & rf).nonzero()
             where = f" first at index {bad[0].tolist()}" if len(bad) else ""
-            return TensorCheck(**base, status="nonfinite", error=math.inf, threshold=0.0, ratio=math.inf,
+            return TensorCheck(**base, status=Status.NONFINITE, error=math.inf, threshold=0.0, ratio=math.inf,
                                max_abs=math.inf, ref_norm=ref_norm,
                                note=f"NaN/Inf pattern differs from the reference: {int((~cf).sum())} non-finite "
                                     f"in the candidate, {int((~rf).sum())} in the reference;{where}")
@@ -178,7 +178,7 @@ def check_tensor(step: int, key: RecordKey, ref_e: Entry, ref_t: torch.Tensor, c
         error = (deviation().excess.norm(deviation().part(cand_t)) if norms is None
                  else storage_rounding_excess(phase, ref_t.dtype, ref_t).norm(cand_t))
     if not noisy:
-        return TensorCheck(**base, status="unchecked", error=error, threshold=math.nan, ratio=math.nan,
+        return TensorCheck(**base, status=Status.UNCHECKED, error=error, threshold=math.nan, ratio=math.nan,
                            max_abs=max_abs, ref_norm=ref_norm, note="no noise sample traced this tensor")
     q = false_alarm / 2 if blocks else false_alarm
     if isinstance(noisy, SampleMoments):
@@ -195,12 +195,12 @@ def check_tensor(step: int, key: RecordKey, ref_e: Entry, ref_t: torch.Tensor, c
         error, th.threshold, sample_blocks,
         lambda: cand_blocks if norms is not None else block_scales(deviation().ref, deviation().part(cand_t), work), q,
         few_sources=few_sources)
-    status = "over" if ratio > 1 else "ok"
+    status = Status.OVER if ratio > 1 else Status.OK
     note = "; ".join(notes)
     if notes:
-        status = "replicas" if status == "ok" else status
+        status = Status.REPLICAS if status == Status.OK else status
     worst, cand_norm = [], math.nan
-    if status != "ok" and ref_t.numel():
+    if status != Status.OK and ref_t.numel():
         d = deviation()
         worst = _worst_ranks(tuple(ref_t.shape), int((d.part(cand_t) - d.ref).abs().reshape(-1).argmax()),
                              cand_entries)
@@ -213,7 +213,7 @@ def check_tensor(step: int, key: RecordKey, ref_e: Entry, ref_t: torch.Tensor, c
 def _check_invariant(base: dict[str, Any], error: float, ref_norm: float, notes: list[str]) -> TensorCheck:
     """The verdict on a record of an invariant (:data:`~tracer.trace.store.INVARIANT_PHASES`): over
     when the candidate differs from the reference at all (threshold 0, no noise samples)."""
-    status = "over" if error != 0 else ("replicas" if any("replicas over" in n for n in notes) else "ok")
+    status = Status.OVER if error != 0 else (Status.REPLICAS if any("replicas over" in n for n in notes) else Status.OK)
     return TensorCheck(**base, status=status, error=error, threshold=0.0, ratio=0.0 if error == 0 else math.inf,
                        max_abs=error, ref_norm=ref_norm, note="; ".join(notes))
 
@@ -229,7 +229,7 @@ def check_routed(step: int, key: RecordKey, ref_e: Entry, ref_t: torch.Tensor, c
     without token rows is ``unchecked`` when the candidate's choice changed)."""
     meta = ref_e.meta
     module = str(meta.get("module", ""))
-    scores_of = (module if key[0] == "bwd" and TOPK_META in meta
+    scores_of = (module if key[0] == Phase.BWD and TOPK_META in meta
                  else f"{module}.{meta[TOPK_CONSUMER_META]}" if TOPK_CONSUMER_META in meta else None)
     change = changed.get((step, scores_of, key[2], key[3])) if scores_of else None
     if change is not None and cand_t.shape == ref_t.shape:
@@ -244,7 +244,7 @@ def check_routed(step: int, key: RecordKey, ref_e: Entry, ref_t: torch.Tensor, c
         if change.in_candidate:
             row = check_tensor(step, key, ref_e, ref_t, cand_t, notes, noisy, false_alarm, cand_entries,
                              block_scale=block_scale, few_sources=few_sources)
-            if row.status in ("ok", "over"):
+            if row.status in (Status.OK, Status.OVER):
                 _not_compared(row, f"it depends on the top-k choice of {scores_of}, which legitimately differs on "
                                    f"{change.in_candidate} token(s) of this microbatch, and has no token rows to "
                                    "leave them out")
@@ -252,7 +252,7 @@ def check_routed(step: int, key: RecordKey, ref_e: Entry, ref_t: torch.Tensor, c
     row = check_tensor(step, key, ref_e, ref_t, cand_t, notes, noisy, false_alarm, cand_entries, block_scale=block_scale,
                      few_sources=few_sources)
     topk = meta.get(TOPK_META)
-    if topk and key[0] == "fwd" and row.status == "ok" and noisy:
+    if topk and key[0] == Phase.FWD and row.status == Status.OK and noisy:
         change = choice_changes(ref_t, cand_t, noisy, topk["k"], topk["dim"])
         if change.note:
             changed[(step, module, key[2], key[3])] = change
@@ -266,7 +266,7 @@ def downstream_of_choices(row: TensorCheck, meta: dict[str, Any],
     tensor of a step and microbatch in which the candidate changed a top-k choice that no noise
     sample changed, recorded earlier in execution order (step 4 of :mod:`tracer.compare.decisions`);
     the scores and their consumers (meta) are compared as they are."""
-    if row.status != "over" or row.phase not in ("fwd", "bwd", "loss") or TOPK_META in meta \
+    if row.status != Status.OVER or row.phase not in (Phase.FWD, Phase.BWD, Phase.LOSS) or TOPK_META in meta \
             or TOPK_CONSUMER_META in meta:
         return row
     causes = [(module, c.unsampled) for (step, module, mb, _), c in changed.items()
@@ -280,7 +280,7 @@ def downstream_of_choices(row: TensorCheck, meta: dict[str, Any],
 
 def _not_compared(row: TensorCheck, why: str) -> None:
     """Mark ``row`` ``unchecked`` because of a top-k choice, keeping its ratio in the note."""
-    row.status = "unchecked"
+    row.status = Status.UNCHECKED
     row.note = "; ".join(x for x in (row.note, f"not compared (ratio {row.ratio:.3g} for the record): {why} "
                                                "(tracer.compare.decisions)") if x)
 
@@ -323,7 +323,7 @@ def check_stats_only(step: int, key: RecordKey, ref_e: Entry, ref_t: torch.Tenso
     ref_norm = float(torch.linalg.vector_norm(r))
     bad = sum((e.stats or {}).get("nan_count", 0) + (e.stats or {}).get("inf_count", 0) for e in cand_entries.values())
     if bad and bool(torch.isfinite(r).all()):
-        return TensorCheck(**base, status="nonfinite", error=math.inf, threshold=0.0, ratio=math.inf,
+        return TensorCheck(**base, status=Status.NONFINITE, error=math.inf, threshold=0.0, ratio=math.inf,
                            max_abs=math.inf, ref_norm=ref_norm,
                            note=f"NaN/Inf in the candidate ({bad} values over its shards), none in the reference")
     cn = _stats_norm(cand_entries)
@@ -331,7 +331,7 @@ def check_stats_only(step: int, key: RecordKey, ref_e: Entry, ref_t: torch.Tenso
         return _check_invariant(base, abs(cn - ref_norm), ref_norm,
                                 ["stats-only candidate: error is the lower bound | ||cand|| - ||ref|| |"])
     if cn is None or not noisy or not math.isfinite(ref_norm):
-        return TensorCheck(**base, status="unchecked", error=math.nan, threshold=math.nan, ratio=math.nan,
+        return TensorCheck(**base, status=Status.UNCHECKED, error=math.nan, threshold=math.nan, ratio=math.nan,
                            max_abs=math.nan, ref_norm=ref_norm,
                            note="stats-only candidate: no norm to compare (pending sum, NaN/Inf or no noise)")
     th = (moments_threshold(noisy.z, noisy.m_sq, false_alarm, few_sources=few_sources)
@@ -343,7 +343,7 @@ def check_stats_only(step: int, key: RecordKey, ref_e: Entry, ref_t: torch.Tenso
     if isinstance(noisy, SampleMoments):  # a threshold of storage-rounding excesses: bound the candidate's alike
         err = max(0.0, err - storage_rounding_allowance(phase, ref_t.dtype, cn, ref_norm, r.numel()))
     ratio = err / th.threshold if th.threshold > 0 else (0.0 if err == 0 else math.inf)
-    return TensorCheck(**base, status="over" if ratio > 1 else "ok", error=err, threshold=th.threshold,
+    return TensorCheck(**base, status=Status.OVER if ratio > 1 else Status.OK, error=err, threshold=th.threshold,
                        ratio=ratio, max_abs=math.nan, ref_norm=ref_norm, n_eff=th.n_eff, factor=th.factor,
                        note="stats-only candidate: error is the lower bound | ||cand|| - ||ref|| |")
 

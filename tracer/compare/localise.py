@@ -42,6 +42,7 @@ from tracer.compare.blockscale import block_scales, verdict_ratio
 from tracer.compare.deviation import block_scale_applies
 from tracer.compare.judge import TensorCheck
 from tracer.compare.thresholds import DEFAULT_FALSE_ALARM, noise_threshold, unmodelled_threshold
+from tracer.trace.schema import Phase, Status
 
 __all__ = ["LocalVerdict", "localise", "rerun_module", "split_inputs"]
 
@@ -111,7 +112,7 @@ def rerun_module(module: nn.Module, name: str, args: list[torch.Tensor], kwargs:
                                 **{"mode": "probabilistic", **injector_kwargs})
             with inj:
                 noisy.append(_first_tensor(module(*args, **kwargs)).detach().double())
-    blocks = block_scale and block_scale_applies("fwd", clean)
+    blocks = block_scale and block_scale_applies(Phase.FWD, clean)
     q = false_alarm / 2 if blocks else false_alarm
     th = noise_threshold(clean, noisy, q)
     if th.threshold == 0.0:
@@ -127,20 +128,20 @@ def rerun_module(module: nn.Module, name: str, args: list[torch.Tensor], kwargs:
 #: phase of the first divergence -> (which rows feed it, verdict when they all agree, verdict
 #: otherwise or None)
 _UPSTREAM = {
-    "fwd": (lambda r, f: r.phase == "fwd" and r.microbatch == f.microbatch
-            and r.name.startswith(f.name.split(".output")[0] + ".input"),
-            "module {mod} is wrong: its inputs agree with the reference (worst {worst}) but its output does not",
-            "the output of {mod} diverges; its inputs diverge too or were not traced"),
-    "grad": (lambda r, f: r.phase == "grad_local" and r.name == f.name,
-             "the cross-rank reduction of {name}'s gradient is wrong: every rank's contribution agrees with "
-             "the reference (worst {worst}) but the reduced gradient does not",
-             "the gradient of {name} is already wrong before the reduction"),
-    "param": (lambda r, f: r.phase == "grad" and r.name == f.name,
-              "the optimizer update of {name} is wrong: its reduced gradient agrees with the reference "
-              "(worst {worst})", None),
-    "grad_norm": (lambda r, f: r.phase == "grad",
-                  "the grad norm is wrong although every reduced gradient agrees with the reference (worst "
-                  "{worst}): the norm computation (which shards are counted, over which group) is wrong", None),
+    Phase.FWD: (lambda r, f: r.phase == Phase.FWD and r.microbatch == f.microbatch
+                and r.name.startswith(f.name.split(".output")[0] + ".input"),
+                "module {mod} is wrong: its inputs agree with the reference (worst {worst}) but its output does not",
+                "the output of {mod} diverges; its inputs diverge too or were not traced"),
+    Phase.GRAD: (lambda r, f: r.phase == Phase.GRAD_LOCAL and r.name == f.name,
+                 "the cross-rank reduction of {name}'s gradient is wrong: every rank's contribution agrees with "
+                 "the reference (worst {worst}) but the reduced gradient does not",
+                 "the gradient of {name} is already wrong before the reduction"),
+    Phase.PARAM: (lambda r, f: r.phase == Phase.GRAD and r.name == f.name,
+                  "the optimizer update of {name} is wrong: its reduced gradient agrees with the reference "
+                  "(worst {worst})", None),
+    Phase.GRAD_NORM: (lambda r, f: r.phase == Phase.GRAD,
+                      "the grad norm is wrong although every reduced gradient agrees with the reference (worst "
+                      "{worst}): the norm computation (which shards are counted, over which group) is wrong", None),
 }
 
 
@@ -163,7 +164,7 @@ def _wrong_parameters(rows: list[TensorCheck], first: TensorCheck, mod: str) -> 
     all the previous step's parameters (a wrong update a parameter threshold absorbs: Adam's
     legitimate deviation is about ``lr`` per element whatever the gradient, docs/tracing.md
     "Why a wrong update can pass the param check")."""
-    prev = [r for r in rows if r.phase == "param" and r.step == first.step - 1 and math.isfinite(_key(r))]
+    prev = [r for r in rows if r.phase == Phase.PARAM and r.step == first.step - 1 and math.isfinite(_key(r))]
     own = [r for r in prev if not mod or r.name.startswith(mod + ".")]
     if not own:
         return None
@@ -179,20 +180,20 @@ def _scaled_loss(rows: list[TensorCheck], first: TensorCheck) -> str | None:
     """The first divergence is the loss, or the first backward tensor of its microbatch, every
     forward record of that microbatch agrees, and the divergence is a uniform factor: the loss
     (or its gradient) is scaled wrongly."""
-    if first.phase not in ("loss", "bwd"):
+    if first.phase not in (Phase.LOSS, Phase.BWD):
         return None
     mb = [r for r in rows if r.step == first.step and r.microbatch == first.microbatch]
-    fwd = [r for r in mb if r.phase == "fwd"]
-    if not fwd or any(r.status != "ok" for r in fwd):
+    fwd = [r for r in mb if r.phase == Phase.FWD]
+    if not fwd or any(r.status != Status.OK for r in fwd):
         return None
-    if first.phase == "bwd" and any(r.index < first.index for r in mb if r.phase == "bwd"):
+    if first.phase == Phase.BWD and any(r.index < first.index for r in mb if r.phase == Phase.BWD):
         return None  # not the earliest backward tensor
     factor = first.cand_norm / first.ref_norm if first.ref_norm > 0 and math.isfinite(first.cand_norm) else math.nan
     uniform = math.isfinite(factor) and abs(first.cand_norm - first.ref_norm) >= UNIFORM_SCALE * first.error > 0
     if not (uniform or first.by_scale):
         return None
     times = f"~{factor:.4g}" if math.isfinite(factor) else "a uniform factor"
-    what = "the loss" if first.phase == "loss" else "the first backward tensor"
+    what = "the loss" if first.phase == Phase.LOSS else "the first backward tensor"
     scalar = math.prod(first.shape) == 1
     return (f"the loss (or its gradient) is scaled wrongly: the forward agrees with the reference, {what} "
             f"({first.name}) is the reference's times {times}"
@@ -209,28 +210,28 @@ def localise(rows: list[TensorCheck], first: TensorCheck | None) -> str:
         top = max(cands, key=_key)
         return f"{top.name} at {top.ratio:.2g}x its threshold"
 
-    if first.phase == "cast":
+    if first.phase == Phase.CAST:
         return ("the model parameters are not the round-to-nearest cast of the optimizer's fp32 main copies "
                 f"({first.note or 'the candidate trace names the parameters'}): the copy from main to model "
                 "parameters rounds otherwise or copies the wrong range, or something writes to the model "
                 "parameters after it; not round-off")
-    if first.phase == "options" and first.name == f"optimizer.{STEP_COUNT_OPTION}":
-        where = "across ranks" if first.status == "replicas" else "from the reference's"
+    if first.phase == Phase.OPTIONS and first.name == f"optimizer.{STEP_COUNT_OPTION}":
+        where = "across ranks" if first.status == Status.REPLICAS else "from the reference's"
         return (f"the optimizer's per-parameter step counts (min and max over a rank's parameters) differ {where}"
                 f"{f' ({first.note})' if first.note else ''}: a rank restarted its count (a resume that restored "
                 "the moments but not the step) or skipped or repeated an update, so its Adam bias correction "
                 "differs; not round-off")
-    if first.status == "replicas" or "replicas over" in first.note:
+    if first.status == Status.REPLICAS or "replicas over" in first.note:
         return (f"the copies of {first.name} that the candidate's metadata marks as replicated differ across "
                 f"ranks ({first.note}): a reduction over that group is missing, or a rank skipped or "
                 "repeated a collective on this tensor")
-    upstream = _UPSTREAM.get(first.phase if first.phase != "fwd" or ".output" in first.name else "")
+    upstream = _UPSTREAM.get(first.phase if first.phase != Phase.FWD or ".output" in first.name else "")
     if upstream is not None:
         feeds, if_ok, otherwise = upstream
         ins = [r for r in same if feeds(r, first)]
         name, mod = first.name, first.name.split(".output")[0]
-        agree = all(r.status == "ok" for r in ins)
-        wrong_params = _wrong_parameters(rows, first, mod) if first.phase == "fwd" and agree else None
+        agree = all(r.status == Status.OK for r in ins)
+        wrong_params = _wrong_parameters(rows, first, mod) if first.phase == Phase.FWD and agree else None
         if wrong_params:
             return wrong_params.format(worst=worst(ins) if ins else "none traced")
         if ins and agree:
@@ -240,10 +241,10 @@ def localise(rows: list[TensorCheck], first: TensorCheck | None) -> str:
     scaled = _scaled_loss(rows, first)
     if scaled:
         return scaled
-    if first.phase == "options":
+    if first.phase == Phase.OPTIONS:
         return (f"the optimizer option {first.name.removeprefix('optimizer.')} (min and max over the param "
                 "groups) differs from the reference's: a configuration error, not round-off")
-    if first.phase == "bwd":
+    if first.phase == Phase.BWD:
         return (f"the gradient flowing into {first.name.split('.output_grad')[0]} diverges first: the "
                 "module that consumes this tensor computes a wrong backward (the forward agreed)")
     return f"{first.name} is the first tensor over its threshold"

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from tracer.compare.check import Comparison
 from tracer.errors import TraceError
+from tracer.trace.schema import Phase, Status
 
 __all__ = ["GENERATOR", "ReportPathError", "check_report_path", "plot", "report_paths", "summary", "write_json"]
 
@@ -32,8 +33,9 @@ class ReportPathError(TraceError):
     """A report cannot be written where asked: a symbolic link, a directory, a file this tool did
     not write, or a directory that does not exist or is not writable."""
 
-_PHASE_COLOURS = {"fwd": "tab:blue", "loss": "tab:purple", "bwd": "tab:orange", "grad_local": "tab:olive",
-                  "grad": "tab:green", "grad_norm": "tab:brown", "options": "tab:gray", "param": "tab:red"}
+_PHASE_COLOURS = {Phase.FWD: "tab:blue", Phase.LOSS: "tab:purple", Phase.BWD: "tab:orange",
+                  Phase.GRAD_LOCAL: "tab:olive", Phase.GRAD: "tab:green", Phase.GRAD_NORM: "tab:brown",
+                  Phase.OPTIONS: "tab:gray", Phase.PARAM: "tab:red"}
 
 
 def _fmt_ratio(r: float) -> str:
@@ -41,9 +43,9 @@ def _fmt_ratio(r: float) -> str:
 
 
 #: statuses of a tensor that diverges (the first divergence is the first of them)
-DIVERGED = ("over", "nonfinite", "replicas")
+DIVERGED = (Status.OVER, Status.NONFINITE, Status.REPLICAS)
 #: statuses of a tensor that is neither within its threshold nor a divergence
-NOT_JUDGED = ("unmodelled", "unchecked")
+NOT_JUDGED = (Status.UNMODELLED, Status.UNCHECKED)
 
 
 def _few(items: list[str], shown: int = 3) -> str:
@@ -86,7 +88,7 @@ def summary(c: Comparison, top: int = 5) -> str:
     f = c.first
     if f is None:
         if c.verdict == "unverified":
-            lines.append(f"  no tensor over its threshold, but {counts.get('unmodelled', 0)} tensor(s) come after "
+            lines.append(f"  no tensor over its threshold, but {counts.get(Status.UNMODELLED, 0)} tensor(s) come after "
                          "ops without an error model: not verified (accept the ops with --accept-unmodelled / "
                          "compare(accept_unmodelled=True), or model them)")
         else:
@@ -94,7 +96,7 @@ def summary(c: Comparison, top: int = 5) -> str:
     else:
         where = f"candidate rank(s) {f.worst_ranks}" if f.worst_ranks else "all ranks"
         lines += [f"first divergence: step {f.step}, phase {f.phase}, tensor {f.name}"
-                  + (f" (microbatch {f.microbatch})" if f.phase in ("fwd", "bwd", "loss") else ""),
+                  + (f" (microbatch {f.microbatch})" if f.phase in (Phase.FWD, Phase.BWD, Phase.LOSS) else ""),
                   f"  module {f.module or '-'}; " + (
                       f"block-scale statistic {f.scale_error:.4g} vs threshold {f.scale_threshold:.4g} (a difference "
                       f"that rescales the reference; norm of the difference {f.error:.4g} vs {f.threshold:.4g})"
@@ -213,7 +215,7 @@ def plot(c: Comparison, path: str | Path, title: str | None = None) -> Path:
         pts = [(x, y) for x, y, r in zip(xs, ys, c.rows) if r.phase == phase]
         if pts:
             ax.scatter(*zip(*pts), s=6, c=colour, label=phase)
-    unmodelled = [(x, y) for x, y, r in zip(xs, ys, c.rows) if str(r.status) == "unmodelled"]
+    unmodelled = [(x, y) for x, y, r in zip(xs, ys, c.rows) if str(r.status) == Status.UNMODELLED]
     if unmodelled:  # ringed: within threshold, but the threshold does not cover an unmodelled op
         ax.scatter(*zip(*unmodelled), s=30, facecolors="none", edgecolors="black", lw=0.6,
                    label="unmodelled (not verified)")
