@@ -64,7 +64,7 @@ def candidate_state(trace: str | Path, step: int) -> dict[str, dict[str, torch.T
     out: dict[str, dict[str, torch.Tensor]] = {}
     for phase, records in assembled_phases(trace, step, STATE_PHASES).items():
         if not records:
-            raise TraceError(f"no {phase!r} records: trace the candidate with capture 'optim' (its main params and "
+            raise TraceError(f"no '{phase}' records: trace the candidate with capture 'optim' (its main params and "
                              "Adam moments) in full mode to re-synchronise a reference to it", path=trace, step=step)
         for name, t in records.items():
             out.setdefault(name, {})[phase] = t
