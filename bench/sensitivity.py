@@ -439,7 +439,7 @@ def clean_census(root: Path, dtype: str, log=print
         for k, ents in ri.items():
             if k not in ci:
                 continue
-            r = ref.load(s, 0, ents[0]["key"])
+            r = ref.load(s, 0, ents[0].key)
             if not r.is_floating_point():
                 continue
             c, _ = assembled_record(cand, s, ci[k], k.name)

@@ -104,9 +104,10 @@ class Comparison:
         return max((r.ratio for r in self.rows if r.status == Status.OK and math.isfinite(r.ratio)), default=0.0)
 
     def counts(self) -> dict[str, int]:
+        """Tensors per status, keyed by the status's name (``"ok"``, ``"over"``, ...)."""
         c: dict[str, int] = defaultdict(int)
         for r in self.rows:
-            c[r.status] += 1
+            c[str(r.status)] += 1
         return dict(c)
 
     def to_dict(self) -> dict[str, Any]:
