@@ -359,18 +359,27 @@ def _refuse_swapped_or_same(ref: TraceReader, cand: TraceReader, noisy: list[Tra
                                    "another run; use the noise samples traced with this reference", path=n.root)
 
 
+def _nonfinite_count(e: Entry) -> int | None:
+    """NaN + Inf values of a stored record by its manifest statistics (taken by the writer of what it
+    stored, which the checksum vouches for), None when it has none."""
+    st = e.stats
+    if not st or "nan_count" not in st or "inf_count" not in st:
+        return None
+    return int(st["nan_count"] or 0) + int(st["inf_count"] or 0)
+
+
 def _refuse_nonfinite_noise(readers: list[TraceReader], entries: list[Entry], stored: list[torch.Tensor],
                             step: int, ref_e: Entry, ref_t: torch.Tensor) -> None:
     """A noise sample with NaN/Inf where the clean reference has none (its manifest statistics,
     or the stored sample or moments) would make the threshold meaningless: refused."""
-    ref_stats = ref_e.stats or {}
-    ref_bad = int(ref_stats.get("nan_count") or 0) + int(ref_stats.get("inf_count") or 0)
+    ref_bad = _nonfinite_count(ref_e)
     floating = ref_t.is_floating_point()
-    ref_finite = bool(torch.isfinite(ref_t).all()) if floating else True
+    ref_finite = ref_bad == 0 if ref_bad is not None else (bool(torch.isfinite(ref_t).all()) if floating else True)
     for n, e, t in zip(readers, entries, stored):
         st = e.stats or {}
-        found = int(st.get("nan_count") or 0) + int(st.get("inf_count") or 0) > ref_bad and ref_finite
-        if not found and t.is_floating_point():
+        bad = _nonfinite_count(e)
+        found = ref_finite and bool(bad)
+        if bad is None and not found and t.is_floating_point():  # no statistics to go by: the values
             if DEVIATION_FIELD in e.extra:  # moments: finite wherever the reference is
                 found = ref_finite and not bool(torch.isfinite(t).all())
             elif t.shape == ref_t.shape and floating:

@@ -35,6 +35,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+import orjson
+
 from tracer.trace.canonical import Placement
 
 __all__ = ["CARRIED_PHASES", "CHECKED_PHASES", "Entry", "INVARIANT_PHASES", "OPTIMIZER_STATE_PHASES",
@@ -163,14 +165,13 @@ class Entry:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Entry:
         """Parse a manifest entry (a dict with :data:`ENTRY_FIELDS`; the caller checked they are there)."""
-        known = set(ENTRY_FIELDS) | {"checksum"}
         phase = d["phase"]
         return cls(key=d["key"], name=d["name"], phase=Phase(phase) if phase in _PHASE_NAMES else phase,
                    step=int(d["step"]), microbatch=int(d["microbatch"]), index=int(d["index"]), dtype=d["dtype"],
                    shape=tuple(int(n) for n in d["shape"]),
-                   placement=Placement.from_dict(d["placement"] or {"dims": []}), meta=dict(d["meta"] or {}),
+                   placement=_placement(d["placement"]), meta=dict(d["meta"] or {}),
                    stats=d["stats"], checksum=d.get("checksum"),
-                   extra={k: v for k, v in d.items() if k not in known})
+                   extra={k: v for k, v in d.items() if k not in _KNOWN_FIELDS})
 
     def to_dict(self) -> dict[str, Any]:
         """The manifest form (JSON-ready)."""
@@ -183,3 +184,16 @@ class Entry:
 
 
 _PHASE_NAMES = frozenset(p.value for p in Phase)
+_KNOWN_FIELDS = frozenset(ENTRY_FIELDS) | {"checksum"}
+#: placements parsed so far, by their canonical JSON: a trace repeats a few placements thousands of
+#: times (every replicated activation of a rank has the same one), and a Placement is immutable
+_PLACEMENTS: dict[bytes, Placement] = {}
+
+
+def _placement(d: dict[str, Any] | None) -> Placement:
+    """:meth:`Placement.from_dict` of a manifest's placement, parsed once per distinct value."""
+    key = orjson.dumps(d or {}, option=orjson.OPT_SORT_KEYS)
+    p = _PLACEMENTS.get(key)
+    if p is None:
+        p = _PLACEMENTS[key] = Placement.from_dict(d or {})
+    return p
