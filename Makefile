@@ -29,7 +29,7 @@ demo: $(STAMP)
 	$(VPY) -m examples.megatron_cpu.demo --out demo_out
 
 test: $(STAMP)
-	$(VPY) -m pytest -q -n 2 --dist loadfile tests
+	$(VPY) -m pytest -q -n 2 --dist loadfile --durations=15 tests
 
 bench: $(STAMP)
 	$(VPY) bench/bounds_table.py --write docs/bounds.md
