@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import json
-from functools import partial
 
 import pytest
 import torch

@@ -13,7 +13,6 @@ sums only (relative ~1e-7, far below any threshold's meaning).
 """
 from __future__ import annotations
 
-import math
 
 import torch
 
