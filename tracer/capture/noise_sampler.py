@@ -38,7 +38,6 @@ functions disabled: neither perturbed nor counted.
 from __future__ import annotations
 
 import contextlib
-import json
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -48,7 +47,7 @@ import torch
 
 from tracer.compare.coverage import ACCEPTED_META, OPS_META, UNMODELLED_META
 from tracer.compare.deviation import MomentAccumulator, MomentWriter
-from tracer.trace.store import RUN_FILE, TraceWriter
+from tracer.trace.store import TraceWriter, existing_run
 
 __all__ = ["NoiseSampler", "StateSnapshot"]
 
@@ -281,8 +280,4 @@ def _reference_run_id(root: str | Path, clean_writer: TraceWriter | None) -> str
     of their own and compare cannot tell their reference)."""
     if clean_writer is not None:
         return clean_writer.run_id
-    try:
-        run = json.loads((Path(root) / RUN_FILE).read_text())
-    except (OSError, ValueError):
-        return ""
-    return str(run.get("run_id", "")) if isinstance(run, dict) else ""
+    return str((existing_run(root) or {}).get("run_id", ""))

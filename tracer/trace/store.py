@@ -124,13 +124,21 @@ def _new_run_id(world_size: int, rank: int, root: Path) -> str:
         dist.broadcast_object_list(box, src=0)
         return str(box[0])
     if rank > 0:
-        try:
-            run = orjson.loads((root / RUN_FILE).read_bytes())
-            if isinstance(run, dict) and run.get("run_id") and run.get("world_size") == world_size:
-                return str(run["run_id"])
-        except (OSError, ValueError):
-            pass
+        run = existing_run(root) or {}
+        if run.get("run_id") and run.get("world_size") == world_size:
+            return str(run["run_id"])
     return uuid.uuid4().hex
+
+
+def existing_run(root: str | Path) -> dict[str, Any] | None:
+    """The ``run.json`` a directory already holds, for a writer deciding what it may write there
+    (:class:`TraceReader` is the strict reader): None when there is none or it is not JSON, ``{}``
+    when it is JSON but not an object."""
+    try:
+        run = orjson.loads((Path(root) / RUN_FILE).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return run if isinstance(run, dict) else {}
 
 
 def _release_lock(path: Path, token: str) -> None:
@@ -410,12 +418,10 @@ class TraceWriter:
     def _refuse_another_run(self) -> None:
         """Refuse a directory whose ``run.json`` names another run while step directories exist (a
         trace of another run is there: its steps would mix with this run's)."""
-        path = self.root / RUN_FILE
-        try:
-            run = orjson.loads(path.read_bytes())
-        except (OSError, ValueError):
+        run = existing_run(self.root)
+        if run is None:
             return
-        other = run.get("run_id") if isinstance(run, dict) else None
+        other = run.get("run_id")
         if other == self.run_id:
             return
         steps = sorted(p.name for p in self.root.iterdir() if p.is_dir() and _STEP_RE.match(p.name))
@@ -424,7 +430,7 @@ class TraceWriter:
                 f"a trace of another run is in this directory (run.json names run id {other!r}, this writer's "
                 f"run id is {self.run_id!r}; {len(steps)} step directories, e.g. {steps[0]}): its steps would "
                 "mix with this run's; choose another trace directory, or delete the old trace (the directory "
-                "and everything in it) if it is no longer needed", path=path, rank=self.rank)
+                "and everything in it) if it is no longer needed", path=self.root / RUN_FILE, rank=self.rank)
 
     def _acquire_lock(self) -> None:
         """Create ``root/.rank_{rank}.lock`` (``O_EXCL``): one writer per rank and directory. It holds
