@@ -101,7 +101,14 @@ class NoNoiseError(RefusedComparisonError):
 
 
 class SwappedTracesError(RefusedComparisonError):
-    """The reference is a multi-rank trace: reference and candidate are probably swapped."""
+    """The reference is a multi-rank trace without noise samples of its own run and world size:
+    reference and candidate are probably swapped (a distributed reference carries its own noise
+    samples, docs/distributed-reference.md)."""
+
+
+class ReferenceReplicasError(RefusedComparisonError):
+    """A distributed reference disagrees with itself: copies of a tensor its placements mark as
+    replicated differ bitwise across its ranks (docs/distributed-reference.md)."""
 
 
 class SameRunError(RefusedComparisonError):

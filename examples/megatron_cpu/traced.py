@@ -38,7 +38,10 @@ HARNESS_ACCEPTED = {
 class TracedRun:
     """One rank's tracing of a harness run: ``trace = {"root": dir, "mode": "full"|"stats",
     "background": bool, "noise_samples": S, "noise_tp": T, "noise_seed": k, "reuse_amplitudes": bool,
-    "capture": [...], "resync_from": dir}``; ``S > 0`` only on the single-process reference;
+    "capture": [...], "resync_from": dir}``; ``S > 0`` only on a reference: the single-process one,
+    or a distributed one (every rank of a TP/DP reference runs the samples in lockstep, stored
+    whole, docs/distributed-reference.md; its noise models its own TP split and the candidate's
+    ``noise_tp``);
     ``background``: the writer writes each step on a thread of its own
     (``TraceWriter(background=True)``); ``resync_from``: the candidate's trace (captured with
     ``optim``, full mode) this reference re-synchronises to at every step (:mod:`tracer.capture.resync`)."""
@@ -59,14 +62,13 @@ class TracedRun:
         self.sampler = None
         samples = int(trace.get("noise_samples", 0))
         if samples:
-            if world != 1:
-                raise ValueError("noise samples are taken on the single-process reference only")
             self.sampler = NoiseSampler(model, optimizer, self.root, layout=lay, signature=signature,
                                         samples=samples, seed=int(trace.get("noise_seed", 0)),
                                         reuse_amplitudes=bool(trace.get("reuse_amplitudes", True)),
-                                        store=str(trace.get("noise_store", "moments")), clean_writer=self.writer,
+                                        store=trace.get("noise_store"), clean_writer=self.writer,
                                         restart=self.resync_from is not None,
-                                        **_with_accepted(reference_noise(int(trace.get("noise_tp", 2)), dtype)))
+                                        **_with_accepted(reference_noise(int(trace.get("noise_tp", 2)), dtype,
+                                                                         reference_tp=int(layout.get("tp", 1)))))
 
     def step(self, step: int, forward_backward: Callable, forward_step: Callable) -> tuple[float, list]:
         """Run (and trace) one step: ``forward_backward(step_fn)`` runs megatron's schedule

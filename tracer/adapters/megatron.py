@@ -537,7 +537,7 @@ class MegatronTracer:
 
 # reference side: what the noise samples must model --------------------------------------------
 
-def noise_policy(tp: int, dtype: str):
+def noise_policy(tp: int, dtype: str, reference_tp: int = 1):
     """Computation models of the two runs for the noise injector.
 
     A candidate with tensor parallelism ``tp`` splits the reduction of its row-parallel
@@ -549,11 +549,16 @@ def noise_policy(tp: int, dtype: str):
     (measured: 1.4-2.3x for tp = 2), hence safe for the unsplit ones too. In fp32 the
     default (two independent runs, ``2 b``) is larger than the split model's difference and
     is kept (``None``).
+
+    ``reference_tp``: the tensor parallelism of the reference itself (a distributed
+    reference, docs/distributed-reference.md): its GEMMs are then the ``reference_tp``-way
+    split instead of the unsplit fp32 one (``reference_tp = 1``, a single-device reference).
     """
-    if tp <= 1 or dtype != "bf16":
+    if max(tp, reference_tp) <= 1 or dtype != "bf16":
         return None
     from ttrace_num.bounds.summation import Summation
-    plain, split = {"summation": Summation()}, {"summation": Summation(split=tp, reduce_fmt="bf16")}
+    split = {"summation": Summation(split=max(tp, 1), reduce_fmt="bf16")}
+    plain = {"summation": Summation(split=reference_tp, reduce_fmt="bf16") if reference_tp > 1 else Summation()}
 
     def policy(path: str, op: str):
         return (plain, split, False) if op in ("matmul", "linear") else None
@@ -570,7 +575,7 @@ def _megatron_functions() -> tuple[type, ...]:
     return (LinearWithGradAccumulationAndAsyncCommunication, _VocabParallelCrossEntropy)
 
 
-def injector_models(split: int, dtype: str, routed: bool = False) -> dict[str, Any]:
+def injector_models(split: int, dtype: str, routed: bool = False, reference_split: int = 1) -> dict[str, Any]:
     """:class:`~ttrace_num.propagate.noise.NoiseInjector` keywords for candidates whose
     reductions are split over up to ``split`` ranks in ``dtype`` (``"bf16"``/``"fp32"``): the
     GEMM policy (:func:`noise_policy`, for the GEMMs outside the variance model), the
@@ -579,6 +584,11 @@ def injector_models(split: int, dtype: str, routed: bool = False) -> dict[str, A
     partials are reduced in ``dtype``, :mod:`ttrace_num.bounds.summation_variance`) for the
     GEMMs, the rounding of a bf16 result included, and for the fp32 parameter-gradient sums.
 
+    ``reference_split``: a distributed reference that splits its own GEMMs over that many TP
+    ranks (docs/distributed-reference.md): the noise then models the difference of *both*
+    splits, the reference's (``reference_model``, and the policy's first run) and the
+    candidate's, instead of an unsplit run against the candidate's.
+
     ``routed``: the model makes top-k routing choices (a mixture of experts). In bf16 its
     GEMMs then keep their bound-sized noise: a correct candidate flips a near-tied choice
     now and then, and its effect downstream is covered only when the samples flip choices as
@@ -586,8 +596,11 @@ def injector_models(split: int, dtype: str, routed: bool = False) -> dict[str, A
     detection matrix reached 1.02x its threshold (``docs/detection.md``, "Sensitivity")."""
     from ttrace_num.bounds.summation import Summation
     model = Summation(split=max(split, 1), reduce_fmt=dtype)
-    return {"policy": noise_policy(split, dtype), "grad_summation": model,
-            "variance_model": None if routed and dtype != "fp32" else model}
+    out = {"policy": noise_policy(split, dtype, reference_split), "grad_summation": model,
+           "variance_model": None if routed and dtype != "fp32" else model}
+    if reference_split > 1:
+        out["reference_model"] = Summation(split=reference_split, reduce_fmt=dtype)
+    return out
 
 
 #: ops of megatron-core's GPT without an error model, accepted unperturbed (by torch name, wherever
@@ -609,10 +622,12 @@ MEGATRON_CORE_ACCEPTED = {
 }
 
 
-def reference_noise(candidate_tp: int, dtype: str, routed: bool = False) -> dict[str, Any]:
+def reference_noise(candidate_tp: int, dtype: str, routed: bool = False, reference_tp: int = 1) -> dict[str, Any]:
     """Keyword arguments of :class:`tracer.capture.noise_sampler.NoiseSampler` for a megatron-core
     reference compared against candidates with tensor parallelism up to ``candidate_tp`` in
-    ``dtype``: :func:`injector_models` (``routed``: a mixture-of-experts model) with
+    ``dtype``: :func:`injector_models` (``routed``: a mixture-of-experts model; ``reference_tp``:
+    the reference's own tensor parallelism, a distributed reference) with
     :data:`MEGATRON_CORE_ACCEPTED`, and megatron's autograd Functions whose backward computes."""
-    return {"injector_kwargs": {**injector_models(candidate_tp, dtype, routed), "accepted": dict(MEGATRON_CORE_ACCEPTED)},
+    models = injector_models(candidate_tp, dtype, routed, reference_split=reference_tp)
+    return {"injector_kwargs": {**models, "accepted": dict(MEGATRON_CORE_ACCEPTED)},
             "custom_functions": _megatron_functions()}

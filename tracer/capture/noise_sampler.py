@@ -34,6 +34,34 @@ optimizer's ``step()`` is marked (``NoiseInjector.optimizer_step``): unmodelled 
 are counted as ``optimizer``, not ``unmodelled`` (the census module states the assumption).
 The tracer's own work in the sample's writer (copies, statistics, the flush) runs with torch
 functions disabled: neither perturbed nor counted.
+
+Distributed reference (docs/distributed-reference.md): on a reference traced by several ranks
+(its writer's ``world_size > 1``), every rank constructs its sampler and calls :meth:`NoiseSampler.step`
+at the same points, so the ``S`` perturbed re-runs of a step run in lockstep on every rank and
+the collectives inside them still pair up; each rank writes its own shard of each sample
+(``root/noise/sample_<i>/step_*/rank_<r>.*``, the sample's run id and meta as above, the same on
+every rank). The injector's generator is seeded from ``seed``, the step and the sample only,
+never from the rank: an op computed identically on several ranks (a layer norm on every TP rank
+without sequence parallelism, the optimizer's update of a replicated parameter) draws the same
+uniform numbers from the same generator state, hence the same perturbation, and replicated
+records of a sample stay bitwise equal, as the checker requires of them
+(``tests/test_distributed_reference.py`` checks it on a megatron-core TP=2 reference). That holds
+while every rank makes the same sequence of draws of the same sizes up to that op: true of TP
+and DP ranks (the same ops on shards of equal shape); where it is not (pipeline stages, or
+ranks that draw for different shard shapes), no record is replicated across those ranks anyway,
+or the checker finds the replicas unequal and refuses the sample. A consequence, stated: the
+shards of a split tensor on different TP ranks are perturbed with the *same* uniform numbers
+times their own amplitudes, i.e. correlated noise across shards, where independent noise was
+modelled; the variance of each element is unchanged, and a later sum over the shards (a
+row-parallel GEMM) mixes them with independent weights, so its variance is unchanged in
+expectation.
+
+Samples of a multi-rank reference are stored whole (``store="tensors"``): their moments
+(:mod:`tracer.compare.deviation`) are sums over a *shard's* elements of a deviation from the
+shard of the clean step, which cannot be assembled soundly into the full tensor's: a partial
+placement (a gradient summed over ranks) has a deviation that is the sum of the shards'
+deviations, whose moments are not the sum of theirs, and the block coordinates of the block-scale
+statistic are of blocks of the full tensor, not of a shard.
 """
 from __future__ import annotations
 
@@ -49,7 +77,7 @@ from tracer.compare.coverage import ACCEPTED_META, OPS_META, UNMODELLED_META
 from tracer.compare.deviation import MomentAccumulator, MomentWriter
 from tracer.trace.store import TraceWriter, existing_run
 
-__all__ = ["NoiseSampler", "StateSnapshot"]
+__all__ = ["NoiseSampler", "StateSnapshot", "sample_seed"]
 
 
 class _CensusWriter:
@@ -157,27 +185,39 @@ class NoiseSampler:
             :func:`~ttrace_num.propagate.noise.perturb_custom_backward`).
         reuse_amplitudes: share the amplitudes of a step across its samples
             (:class:`~ttrace_num.propagate.memo.AmplitudeMemo`); False: each sample computes its own.
-        store: ``"moments"`` (default): each sample's trace stores, per tensor, the three
+        store: ``"moments"`` (default on one rank): each sample's trace stores, per tensor, the three
             moments of its deviation from the clean step that the threshold needs
             (:mod:`tracer.compare.deviation`; needs the reference traced in full mode); ``"tensors"``:
             the sample's tensors whole (for analyses beyond the thresholds, e.g.
-            ``bench.sensitivity``), S times the reference's trace on disk.
+            ``bench.sensitivity``), S times the reference's trace on disk; the default, and the only
+            choice, of a multi-rank reference (module doc, "Distributed reference").
         restart: every sample starts each step from the state before the clean step instead of
             continuing its own trajectory: for a reference re-synchronised to its candidate at
             every step (:mod:`tracer.capture.resync`), whose thresholds then cover one step's round-off.
         clean_writer: the reference's own writer, when it writes in the background
             (``TraceWriter(background=True)``): the samples wait for the clean step to be on
             disk (moments are taken against it) before they run.
+        rank, world_size: this rank's place in a distributed reference (module doc); by default
+            those of ``clean_writer``, else rank 0 of 1.
     """
 
     def __init__(self, model: torch.nn.Module, optimizer: Any, root: str | Path, *, layout: dict[str, Any],
                  signature: str, samples: int = 4, seed: int = 0, injector_kwargs: dict[str, Any] | None = None,
-                 custom_functions: Sequence[type] = (), reuse_amplitudes: bool = True, store: str = "moments",
-                 clean_writer: TraceWriter | None = None, restart: bool = False) -> None:
+                 custom_functions: Sequence[type] = (), reuse_amplitudes: bool = True, store: str | None = None,
+                 clean_writer: TraceWriter | None = None, restart: bool = False, rank: int | None = None,
+                 world_size: int | None = None) -> None:
         if samples < 1:
             raise ValueError("need at least one noise sample")
+        self.rank = int(rank if rank is not None else (clean_writer.rank if clean_writer is not None else 0))
+        self.world_size = int(world_size if world_size is not None else
+                              (clean_writer.world_size if clean_writer is not None else 1))
+        store = store or ("moments" if self.world_size == 1 else "tensors")
         if store not in ("moments", "tensors"):
             raise ValueError(f"store must be 'moments' or 'tensors', got {store!r}")
+        if store == "moments" and self.world_size > 1:
+            raise ValueError("noise samples of a multi-rank reference are stored as tensors (store='tensors'): "
+                             "moments of a shard's deviation cannot be assembled into the full tensor's "
+                             "(tracer.capture.noise_sampler, 'Distributed reference')")
         self.model, self.optimizer = model, optimizer
         self.seed = int(seed)
         self.injector_kwargs = {"mode": "probabilistic", **(injector_kwargs or {})}
@@ -197,8 +237,8 @@ class NoiseSampler:
         base_meta = {"restarts_each_step": True} if self.restart else {}
         metas = [{**base_meta, "noise_sample": i, "noise_sample_of": of} for i in range(samples)]
         ids = [f"{of}.noise{i}" if of else "" for i in range(samples)]
-        self.writers = [TraceWriter(Path(root) / "noise" / f"sample_{i}", 0, 1, layout, signature, run_id=ids[i],
-                                    run_meta=metas[i])
+        self.writers = [TraceWriter(Path(root) / "noise" / f"sample_{i}", self.rank, self.world_size, layout,
+                                    signature, run_id=ids[i], run_meta=metas[i])
                         if self.moments is None else
                         MomentWriter(Path(root) / "noise" / f"sample_{i}", root, i, self.moments, layout, signature,
                                      run_id=ids[i], run_meta=metas[i]) for i in range(samples)]
@@ -231,7 +271,7 @@ class NoiseSampler:
         for i, w in enumerate(self.writers):
             t0 = time.perf_counter()
             self.states[i].restore(last_use=self.states[i] not in self.states[i + 1:])
-            gen = torch.Generator().manual_seed((self.seed * 1_000_003 + step) * 101 + i)
+            gen = torch.Generator().manual_seed(sample_seed(self.seed, step, i))  # the same on every rank
             if memo is not None:
                 memo.rewind()
             inj = NoiseInjector(gen, memo=memo, **self.injector_kwargs)
@@ -254,10 +294,19 @@ class NoiseSampler:
         return out
 
     def _write_census(self, i: int, step_census: dict[str, dict[str, int]]) -> None:
-        """Add a step's census to sample ``i``'s and rewrite its ``run.json`` (meta ``ops``)."""
+        """Add a step's census to sample ``i``'s and rewrite its ``run.json`` (meta ``ops``); on a
+        multi-rank reference the ranks' censuses are gathered (a collective, in lockstep) and
+        rank 0, which writes ``run.json``, keeps each op's largest count over the ranks."""
         from ttrace_num.propagate.census import Census
+        if self.world_size > 1:
+            import torch.distributed as dist
+            every: list[Any] = [None] * self.world_size
+            dist.all_gather_object(every, step_census)
+            step_census = _most(every)
         self.census[i] = Census.merged([self.census[i], step_census])
         w = self.writers[i]
+        if self.rank != 0:
+            return
         w.run_meta[OPS_META] = self.census[i]
         accepted = self.injector_kwargs.get("accepted")
         if accepted:
@@ -272,6 +321,23 @@ class NoiseSampler:
             for name, n in c.get("unmodelled", {}).items():
                 out[name] = max(out.get(name, 0), n)
         return dict(sorted(out.items()))
+
+
+def sample_seed(seed: int, step: int, sample: int) -> int:
+    """The injector's seed for ``sample`` of ``step``: a function of the sampler's ``seed``, the
+    step and the sample, never of the rank (module doc, "Distributed reference")."""
+    return (int(seed) * 1_000_003 + int(step)) * 101 + int(sample)
+
+
+def _most(censuses: Sequence[dict[str, dict[str, int]]]) -> dict[str, dict[str, int]]:
+    """Per category and op, the largest count over ``censuses`` (one per rank)."""
+    out: dict[str, dict[str, int]] = {}
+    for c in censuses:
+        for cat, ops in (c or {}).items():
+            mine = out.setdefault(cat, {})
+            for name, n in ops.items():
+                mine[name] = max(mine.get(name, 0), int(n))
+    return out
 
 
 def _reference_run_id(root: str | Path, clean_writer: TraceWriter | None) -> str:

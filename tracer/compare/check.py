@@ -17,6 +17,18 @@ and for every tensor both traced, in the reference's execution order:
    larger of the ratios), ``nonfinite`` when the candidate has NaN/Inf where the
    reference does not, ``replicas`` when copies disagree.
 
+**Distributed reference** (docs/distributed-reference.md): the reference may itself be a trusted
+multi-rank layout (megatron-core TP=2 as the reference of TP=4) when it carries its own noise
+samples, traced by the same multi-rank run (:class:`~tracer.capture.noise_sampler.NoiseSampler` on
+every rank: the same world size, ``noise_sample_of`` its run id). Its tensors and its samples'
+are assembled from their shards with their placements exactly as the candidate's are, and
+their replicated copies must agree bitwise too: a reference whose replicas differ is refused
+(:class:`~tracer.errors.ReferenceReplicasError`: a reference that disagrees with itself cannot
+vouch for anything), a sample whose replicas differ likewise (:class:`~tracer.errors.NoiseSampleError`:
+its ranks were not perturbed alike). The execution order is each record's index on the lowest
+rank that holds it: the true order on a reference without pipeline parallelism, where every rank
+records every tensor in the same order.
+
 The *first divergence* is the first non-``ok`` tensor in the reference's execution order
 (step by step: forward and backward of each microbatch, then the grads each rank
 contributes, the reduced grads, the grad norm and the updated parameters). It is then
@@ -35,6 +47,7 @@ parameters themselves are compared (phase ``param``).
 """
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import fnmatch
 import math
@@ -59,12 +72,13 @@ from tracer.errors import (
     MissingStepError,
     NoiseSampleError,
     NoNoiseError,
+    ReferenceReplicasError,
     SameRunError,
     SwappedTracesError,
     TraceError,
     UnmatchedRecordsError,
 )
-from tracer.trace.canonical import assemble
+from tracer.trace.canonical import AssemblyReport, assemble
 from tracer.trace.schema import CARRIED_PHASES, CHECKED_PHASES, PRE_UPDATE_PHASES, Entry, RecordKey, Status
 from tracer.trace.store import TraceReader, manifest_path
 
@@ -92,6 +106,15 @@ class Comparison:
     stripped_prefixes: dict[str, list[str]] = field(default_factory=dict)
     #: records left out by ``compare(skip=...)`` (``"step S phase name mb M"``, either side)
     skipped: list[str] = field(default_factory=list)
+    #: the reference's layout (its ``run.json``) and world size: more than 1 rank is a
+    #: distributed reference (module doc)
+    reference_layout: dict[str, Any] = field(default_factory=dict)
+    reference_world_size: int = 1
+
+    @property
+    def distributed_reference(self) -> bool:
+        """Whether the reference was traced on several ranks (module doc, "Distributed reference")."""
+        return self.reference_world_size > 1
 
     @property
     def verdict(self) -> str:
@@ -112,7 +135,9 @@ class Comparison:
 
     def to_dict(self) -> dict[str, Any]:
         return {"verdict": self.verdict, "reference": self.reference, "candidate": self.candidate,
-                "candidate_layout": self.candidate_layout, "counts": self.counts(),
+                "candidate_layout": self.candidate_layout, "distributed_reference": self.distributed_reference,
+                "reference_layout": self.reference_layout, "reference_world_size": self.reference_world_size,
+                "counts": self.counts(),
                 "max_ratio_within_threshold": self.max_ratio_ok, "noise_samples": self.noise_samples,
                 "false_alarm_per_comparison": self.false_alarm,
                 "first_divergence": None if self.first is None else asdict(self.first),
@@ -169,19 +194,30 @@ def _compared(reader: TraceReader, step: int) -> dict[RecordKey, dict[int, Entry
     return {k: v for k, v in records_by_key(reader, step).items() if k.phase not in CARRIED_PHASES}
 
 
+def _assembled(reader: TraceReader, step: int, entries: dict[int, Entry], name: str, side: str = "candidate"
+               ) -> tuple[torch.Tensor, AssemblyReport]:
+    """The full tensor of one record of ``side`` from every rank's shard, and the assembly's report."""
+    shards = {r: reader.load(step, r, e.key) for r, e in entries.items()}
+    placements = {r: e.placement for r, e in entries.items()}
+    try:
+        return assemble(shards, placements, name=name)
+    except ValueError as exc:
+        raise TraceError(f"cannot assemble the {side}'s shards: {exc}", path=reader.root, step=step,
+                         tensor=name) from exc
+
+
+def _replica_notes(report: AssemblyReport) -> list[str]:
+    """One note per group of copies marked as replicated that disagree."""
+    return [f"replicas over {d.group} differ: ranks {list(d.reference)} vs {list(d.other)}, "
+            f"max |diff| {d.max_abs_diff:.3g}" for d in report.replicas if not d.equal]
+
+
 def assembled_record(reader: TraceReader, step: int, entries: dict[int, Entry], name: str
                      ) -> tuple[torch.Tensor, list[str]]:
     """The full tensor of one record assembled from every rank's shard, and notes on copies
     marked as replicated that disagree (and on a ``cast`` record's findings)."""
-    shards = {r: reader.load(step, r, e.key) for r, e in entries.items()}
-    placements = {r: e.placement for r, e in entries.items()}
-    try:
-        full, report = assemble(shards, placements, name=name)
-    except ValueError as exc:
-        raise TraceError(f"cannot assemble the candidate's shards: {exc}", path=reader.root, step=step,
-                         tensor=name) from exc
-    notes = [f"replicas over {d.group} differ: ranks {list(d.reference)} vs {list(d.other)}, "
-             f"max |diff| {d.max_abs_diff:.3g}" for d in report.replicas if not d.equal]
+    full, report = _assembled(reader, step, entries, name)
+    notes = _replica_notes(report)
     notes += [f"rank {r}: " + _listed(e.meta["differing"])  # a `cast` record's findings
               for r, e in sorted(entries.items()) if e.meta.get("differing")]
     return full, notes
@@ -191,6 +227,51 @@ def _listed(differing: list[list], shown: int = 3) -> str:
     """``[[param, differing, checked], ...]`` (a ``cast`` record's meta) as a short phrase."""
     out = ", ".join(f"{p} ({n} of {m} elements)" for p, n, m in differing[:shown])
     return out + (f" and {len(differing) - shown} more" if len(differing) > shown else "")
+
+
+def _reference_record(ref: TraceReader, step: int, entries: dict[int, Entry]) -> tuple[torch.Tensor, Entry]:
+    """One record of the reference: its tensor and the entry that describes it. A single-device
+    reference's as stored; a distributed reference's assembled from its shards (module doc), its
+    replicas bitwise equal or the comparison refused (:class:`~tracer.errors.ReferenceReplicasError`),
+    described by the lowest rank's entry with the full shape and no statistics (a shard's
+    statistics are not the tensor's)."""
+    first = entries[min(entries)]
+    if ref.world_size == 1:
+        return ref.load(step, min(entries), first.key), first
+    full, report = _assembled(ref, step, entries, first.name, "reference")
+    bad = _replica_notes(report)
+    if bad:
+        raise ReferenceReplicasError(
+            f"the distributed reference {str(ref.root)!r} disagrees with itself: its copies of tensor "
+            f"'{first.name}' ({first.phase}, mb {first.microbatch}) at step {step}, marked replicated by its "
+            f"placements, differ ({'; '.join(bad)}): a reference whose replicas differ computes the same thing "
+            "differently on its ranks (a bug of the reference layout, or ranks not started alike), so no verdict "
+            "against it means anything; check the reference layout against a single device at small scale "
+            "(docs/distributed-reference.md) or use another reference", path=ref.root, step=step, tensor=first.name)
+    return full, dataclasses.replace(first, shape=tuple(full.shape), stats=None)
+
+
+def _sample_tensor(n: TraceReader, step: int, entries: dict[int, Entry], name: str) -> torch.Tensor:
+    """One record of one noise sample: as stored (one rank), or assembled from the shards of a
+    distributed reference's sample, whose replicated copies must agree bitwise
+    (:class:`~tracer.errors.NoiseSampleError` otherwise: its ranks were not perturbed alike)."""
+    if n.world_size == 1:
+        return n.load(step, min(entries), entries[min(entries)].key)
+    if any(DEVIATION_FIELD in e.extra for e in entries.values()):
+        raise NoiseSampleError(f"noise sample {str(n.root)!r} of a distributed reference stores tensor '{name}' as "
+                               "moments of each shard's deviation, which cannot be assembled into the full tensor's "
+                               "(tracer.capture.noise_sampler, 'Distributed reference'): re-record the samples "
+                               "whole (NoiseSampler(store='tensors'))", path=n.root, step=step, tensor=name)
+    full, report = _assembled(n, step, entries, name, "noise sample")
+    bad = _replica_notes(report)
+    if bad:
+        raise NoiseSampleError(f"noise sample {str(n.root)!r} of a distributed reference holds copies of tensor "
+                               f"'{name}' at step {step} that its placements mark replicated and that differ "
+                               f"({'; '.join(bad)}): its ranks did not perturb the replicated computation alike "
+                               "(the injector seeded per rank, or ranks out of lockstep), so its spread is not a "
+                               "legitimate one; re-record the samples with one NoiseSampler seed on every rank",
+                               path=n.root, step=step, tensor=name)
+    return full
 
 
 def _progress(total: int, enabled: bool):
@@ -203,20 +284,28 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, desc="compare", unit="tensor", file=sys.stderr, leave=False)
 
 
-def _noise_samples(readers: list[TraceReader], entries: list[Entry | None], step: int,
+def _noise_samples(readers: list[TraceReader], by_rank: list[dict[int, Entry] | None], step: int,
                    ref_e: Entry, ref_t: torch.Tensor | None = None) -> "list[torch.Tensor] | SampleMoments":
-    """One tensor's noise samples: whole tensors, or their moments when the samples were stored
-    as moments (:mod:`tracer.compare.deviation`); ``[]`` when a sample lacks the tensor. With
-    ``ref_t`` (the clean reference's tensor), a sample with NaN/Inf where it has none is refused
-    (:class:`~tracer.errors.NoiseSampleError`)."""
-    if not entries or any(e is None for e in entries):
+    """One tensor's noise samples (``by_rank``: per sample, its entries by rank): whole tensors
+    (assembled from a distributed reference's shards, :func:`_sample_tensor`), or their moments
+    when the samples were stored as moments (:mod:`tracer.compare.deviation`); ``[]`` when a sample
+    lacks the tensor. With ``ref_t`` (the clean reference's tensor), a sample with NaN/Inf where
+    it has none is refused (:class:`~tracer.errors.NoiseSampleError`)."""
+    if not by_rank or any(not d for d in by_rank):
         return []
+    if any(n.world_size > 1 for n in readers):
+        stored = [_sample_tensor(n, step, d, ref_e.name) for n, d in zip(readers, by_rank)]
+        if ref_t is not None:  # a shard's statistics are not the tensor's: judged by the values
+            _refuse_nonfinite_noise(readers, [dataclasses.replace(d[min(d)], stats=None) for d in by_rank],
+                                    stored, step, ref_e, ref_t)
+        return stored
+    entries = [d[min(d)] for d in by_rank]
     as_moments = [DEVIATION_FIELD in e.extra for e in entries]
     if any(as_moments) and not all(as_moments):
         raise TraceError("some noise samples store this tensor whole and others as moments: use noise samples "
                          "of one reference run", path=readers[as_moments.index(True)].root, step=step,
                          tensor=ref_e.name)
-    stored = [n.load(step, 0, e.key) for n, e in zip(readers, entries)]
+    stored = [n.load(step, min(d), e.key) for n, d, e in zip(readers, by_rank, entries)]
     if ref_t is not None:
         _refuse_nonfinite_noise(readers, entries, stored, step, ref_e, ref_t)
     if not all(as_moments):
@@ -330,10 +419,15 @@ def _refuse_swapped_or_same(ref: TraceReader, cand: TraceReader, noisy: list[Tra
                            "with itself says nothing; give the reference (the single-device run with noise samples) "
                            "first, then the candidate traced by the run under test", path=cand.root)
     if ref.world_size > 1:
-        raise SwappedTracesError(f"reference {str(ref.root)!r} was traced on {ref.world_size} ranks: the reference is "
-                                 "the single-device run with noise samples; is this the candidate (reference and "
-                                 f"candidate swapped)? the candidate {str(cand.root)!r} has {cand.world_size} "
-                                 "rank(s)", path=ref.root)
+        problem = _distributed_reference_problem(ref, noisy)
+        if problem:
+            raise SwappedTracesError(
+                f"reference {str(ref.root)!r} was traced on {ref.world_size} ranks and {problem}: a reference is "
+                "either the single-device run with noise samples, or a distributed reference, a trusted multi-rank "
+                "layout that carries noise samples traced by that same run (NoiseSampler on every rank: the same "
+                "world size, meta noise_sample_of its run id; docs/distributed-reference.md); is this the "
+                f"candidate (reference and candidate swapped)? the candidate {str(cand.root)!r} has "
+                f"{cand.world_size} rank(s)", path=ref.root)
     if not noisy:
         has = bool(noise_dirs(cand.root))
         raise NoNoiseError(f"reference {str(ref.root)!r} has no noise samples (no noise/sample_*/run.json, and "
@@ -349,14 +443,31 @@ def _refuse_swapped_or_same(ref: TraceReader, cand: TraceReader, noisy: list[Tra
                 raise SameRunError(f"noise sample {str(n.root)!r} {how} {what} ({str(other.root)!r}), not a noise "
                                    "sample: a sample is a separate perturbed run of the reference, "
                                    "reference/noise/sample_K; pass those (or leave noise= out)", path=n.root)
-        if n.world_size != 1:
+        if n.world_size != ref.world_size:
             raise SameRunError(f"noise sample {str(n.root)!r} was traced on {n.world_size} ranks; a noise sample "
-                               "is a single-device run of the reference (reference/noise/sample_K)", path=n.root)
+                               f"is a run of the reference on its {ref.world_size} rank(s) (a single-device run "
+                               "of a single-device reference; a distributed reference's samples are traced by the "
+                               "same multi-rank run: reference/noise/sample_K)", path=n.root)
         of = (n.run.get("meta") or {}).get("noise_sample_of")
         if of and ref.run_id and of != ref.run_id:
             raise NoiseSampleError(f"noise sample {str(n.root)!r} perturbs the reference run {of!r}, not this "
                                    f"reference ({str(ref.root)!r}, run id {ref.run_id!r}): its thresholds describe "
                                    "another run; use the noise samples traced with this reference", path=n.root)
+
+
+def _distributed_reference_problem(ref: TraceReader, noisy: list[TraceReader]) -> str | None:
+    """Why a multi-rank reference is not a distributed reference (module doc), or None: it has
+    noise samples, each traced by the same run (same world size, ``noise_sample_of`` its run id)."""
+    if not noisy:
+        return "has no noise samples"
+    for n in noisy:
+        of = (n.run.get("meta") or {}).get("noise_sample_of")
+        if n.world_size != ref.world_size:
+            return f"its noise sample {str(n.root)!r} was traced on {n.world_size} rank(s)"
+        if not ref.run_id or of != ref.run_id:
+            return (f"its noise sample {str(n.root)!r} does not name it as the run it perturbs (noise_sample_of "
+                    f"{of!r}, the reference's run id {ref.run_id!r})")
+    return None
 
 
 def _nonfinite_count(e: Entry) -> int | None:
@@ -425,7 +536,9 @@ def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str
     ``skip`` applied (:class:`~tracer.errors.UnmatchedRecordsError`); a requested step missing on a
     side (:class:`~tracer.errors.MissingStepError`); a candidate without tensors
     (:class:`~tracer.errors.EmptyTraceError`); no noise samples (:class:`~tracer.errors.NoNoiseError`);
-    a multi-rank reference (:class:`~tracer.errors.SwappedTracesError`); the candidate or a noise
+    a multi-rank reference without noise samples of its own run and world size (a distributed
+    reference carries them: module doc; :class:`~tracer.errors.SwappedTracesError`), or one whose
+    replicated copies differ (:class:`~tracer.errors.ReferenceReplicasError`); the candidate or a noise
     sample being the reference (same directory or run id, :class:`~tracer.errors.SameRunError`);
     a noise sample with NaN/Inf where the reference has none (:class:`~tracer.errors.NoiseSampleError`).
     Raises :class:`~tracer.errors.IncomparableRunsError` when the traces are of different
@@ -493,21 +606,21 @@ def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str
                              f"{'reference' if k in ref_idx else 'candidate'}")
         for k, ents in ref_idx.items():
             if k in cand_idx:
-                plan.append((s, k, ents[0], cand_idx[k], [ni.get(k, {}).get(0) for ni in noise_idx]))
+                plan.append((s, k, ents, cand_idx[k], [ni.get(k) for ni in noise_idx]))
     if not plan:
         raise EmptyTraceError(f"nothing to compare between reference {str(ref.root)!r} and candidate "
                               f"{str(cand.root)!r} at step(s) {wanted}"
                               + (f" once skip={patterns} left out {len(skipped)} records" if skipped else "")
                               + ": 'consistent' would mean nothing", path=cand.root)
-    plan.sort(key=lambda p: (p[0], p[2].index))
+    plan.sort(key=lambda p: (p[0], p[2][min(p[2])].index))  # a distributed reference: module doc
     per_tensor = false_alarm / max(len(plan), 1)  # Bonferroni: family-wise over the comparison
     restarted = samples_restart(noisy_readers)
     routes = {s: makes_topk_choice(ref, s) for s in wanted} if restarted else {}
     bar = _progress(len(plan), progress)
     rows = []
     changed: dict[tuple[int, str, int, int], ChoiceChange] = {}  # top-k choices that differ, per module call
-    for s, k, ref_e, cand_entries, noise_es in plan:
-        ref_t = ref.load(s, 0, ref_e.key)
+    for s, k, ref_ents, cand_entries, noise_es in plan:
+        ref_t, ref_e = _reference_record(ref, s, ref_ents)
         noisy = _noise_samples(noisy_readers, noise_es, s, ref_e, ref_t)
         cap = few_sources(k.phase, restarted, routes.get(s, False))
         if cand.manifest(s, next(iter(cand_entries)))["mode"] == "stats":
@@ -522,11 +635,13 @@ def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str
             bar.update(1)
     if bar is not None:
         bar.close()
-    coverage = mark_unmodelled(rows, [p[4] for p in plan], noisy_readers, accept_unmodelled)
+    coverage = mark_unmodelled(rows, [[e for d in p[4] for e in (d or {}).values()] for p in plan], noisy_readers,
+                               accept_unmodelled)
     first = next((r for r in rows if r.status not in (Status.OK, Status.UNCHECKED, Status.UNMODELLED)), None)
     return Comparison(str(reference), str(candidate), cand.run.get("layout", {}), rows, first,
                       localise(rows, first), unmatched, len(noisy_readers), false_alarm, coverage,
-                      {side: sorted(p) for side, p in stripped.items()}, skipped)
+                      {side: sorted(p) for side, p in stripped.items()}, skipped, ref.run.get("layout", {}),
+                      ref.world_size)
 
 
 def assembled_records(trace: str | Path, step: int, phase: str, microbatch: int, prefix: str

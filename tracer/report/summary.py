@@ -74,7 +74,10 @@ def summary(c: Comparison, top: int = 5) -> str:
     counts = c.counts()
     lines = [f"verdict: {c.verdict}   ({len(c.rows)} tensors compared: "
              + ", ".join(f"{v} {k}" for k, v in sorted((str(k), v) for k, v in counts.items())) + ")",
-             f"  reference {c.reference}  vs  candidate {c.candidate} (layout {c.candidate_layout})",
+             f"  reference {c.reference}"
+             + (f" (distributed reference: {c.reference_world_size} ranks, layout {c.reference_layout})"
+                if c.distributed_reference else "")
+             + f"  vs  candidate {c.candidate} (layout {c.candidate_layout})",
              f"  thresholds: {c.noise_samples} noise samples, false-alarm probability {c.false_alarm:g} per "
              f"comparison; largest error/threshold within threshold: {c.max_ratio_ok:.3g}"]
     for side, prefixes in sorted(c.stripped_prefixes.items()):

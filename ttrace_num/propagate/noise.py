@@ -120,6 +120,13 @@ class NoiseInjector(TorchFunctionMode):
             unsplit random-order fp32 run and a run of this model (e.g.
             ``Summation(split=tp, reduce_fmt="bf16")``),
             :mod:`ttrace_num.bounds.summation_variance`. ``None``: bounds everywhere.
+        reference_model: the computation model of the run the injector perturbs, for that
+            variance (the first of the two runs): ``None`` an unsplit run (a single-device
+            reference); a *distributed* reference that itself splits its GEMMs over ``k`` TP
+            ranks passes ``Summation(split=k, reduce_fmt=...)``, so that the noise has the
+            variance of its own split plus the candidate's (``variance_model``). Applied
+            wherever the variance model is (the fp32 parameter-gradient sums over tokens too,
+            which a reference without sequence parallelism does not split: conservative there).
         memo: amplitudes shared by the samples of one step (:mod:`.memo`): the first
             sample's injector computes and stores them, the next ones reuse those of matching
             calls. ``None``: every amplitude is computed.
@@ -136,8 +143,9 @@ class NoiseInjector(TorchFunctionMode):
                  against_exact: bool = False, backward: bool = True, module_of: Callable[[], str] | None = None,
                  calibration: "Calibration | str | None" = None, grad_summation: "Summation | None" = None,
                  variance_model: "Summation | None" = None, memo: AmplitudeMemo | None = None,
-                 accepted: "dict[str, str] | None" = None):
+                 accepted: "dict[str, str] | None" = None, reference_model: "Summation | None" = None):
         super().__init__()
+        self.reference_model = reference_model
         self.memo = memo
         self.gen = generator
         self.grad_summation = grad_summation
@@ -198,11 +206,11 @@ class NoiseInjector(TorchFunctionMode):
                             exact_products: bool = True, models: "tuple[Summation | None, ...] | None" = None,
                             out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Amplitude of uniform noise with the variance of the difference of two runs (``models``;
-        default an unsplit run and a run of :attr:`variance_model`) of sums with statistics
+        default a run of :attr:`reference_model`, unsplit when None, and one of :attr:`variance_model`) of sums with statistics
         ``Q``, ``C`` over ``n`` terms, results stored in ``out_dtype``
         (:func:`~ttrace_num.bounds.summation_variance.gemm_difference_variance`):
         ``sqrt(3 (V_a + V_b))``, as ``Var(U) = 1/3``."""
-        models = models or (None, self.variance_model)
+        models = models or (self.reference_model, self.variance_model)
         out_fmt = get_format(out_dtype) if out_dtype in NARROW_DTYPES else None
         var = gemm_difference_variance(q, c, n, exact_products, models, out_fmt)
         return torch.sqrt(3.0 * torch.broadcast_to(var, shape)).reshape(shape)
@@ -448,7 +456,7 @@ class NoiseInjector(TorchFunctionMode):
                 split = self.grad_summation.split if self.grad_summation else 1
                 models = (Summation(accum=dtype), Summation(accum=dtype, split=split, reduce_fmt="fp32"))
             elif self._variance_applies(t):
-                models = None  # an unsplit fp32 run vs one of variance_model
+                models = None  # a run of reference_model (unsplit fp32) vs one of variance_model
             else:
                 return scale * tn.tolerance("sum", t, dim=0, **kw).abs.reshape(g.shape)
             t64 = t.double()
