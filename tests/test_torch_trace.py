@@ -22,7 +22,8 @@ from examples import torch_ddp as ex
 from examples.gloo import run_gloo
 from tracer.trace.canonical import Placement, assemble, shard
 from tracer.compare.check import compare
-from tracer.adapters.ddp import ddp_placement, dtensor_placement
+from tracer.adapters.ddp import ddp_placement
+from tracer.trace.dtensor import dtensor_placement
 from tracer.trace.store import TraceReader
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""Tracing a plain PyTorch data-parallel run (``DistributedDataParallel``) and DTensor placements.
+"""Tracing a plain PyTorch data-parallel run (``DistributedDataParallel``).
 
 :class:`DDPTracer` wraps a :class:`tracer.capture.hooks.Tracer` around the module under DDP and adds
 what a data-parallel comparison needs (see docs/tracing-pytorch.md):
@@ -42,7 +42,7 @@ from tracer.trace.schema import Phase
 from tracer.trace.store import TraceWriter
 from tracer.adapters.base import phases_of
 
-__all__ = ["DDPTracer", "ddp_placement", "dtensor_placement"]
+__all__ = ["DDPTracer", "ddp_placement"]
 
 _MODULE_CAPTURES = ("fwd_in", "fwd_out", "bwd_out", "bwd_in")
 
@@ -82,6 +82,9 @@ class DDPTracer:
         module_meta: extra meta for the records of matching modules (as
             :class:`~tracer.capture.hooks.Tracer`; e.g. an MoE router's top-k, :mod:`tracer.compare.decisions`).
         optimizer: the run's optimizer (captures ``optim`` and ``options``).
+        name_fn, outputs_first: as :class:`~tracer.capture.hooks.Tracer` (an adapter built on this
+            one, :class:`tracer.adapters.dtensor.DTensorTracer`, strips wrapper names and records
+            outputs before other forward hooks).
     """
 
     def __init__(self, model: nn.Module, writer: TraceWriter, *, num_microbatches: int = 1,
@@ -92,7 +95,8 @@ class DDPTracer:
                  param_placement: Callable[[str], dict[str, Any]] | None = None,
                  loss_placement: dict[str, Any] | None = None, grad_scale: float | None = None,
                  module_meta: dict[str, dict[str, Any]] | None = None, optimizer: Any = None,
-                 role: str | None = None, layout: dict[str, Any] | None = None) -> None:
+                 role: str | None = None, layout: dict[str, Any] | None = None,
+                 name_fn: Callable[[str], str] | None = None, outputs_first: bool = False) -> None:
         import torch.distributed as dist
         dist_on = dist.is_available() and dist.is_initialized()
         self.dp = int(dp if dp is not None else (dist.get_world_size() if dist_on else 1))
@@ -104,7 +108,7 @@ class DDPTracer:
         self.tracer = Tracer(self.module, writer, include=include, exclude=exclude,
                              capture=[c for c in capture if c in _MODULE_CAPTURES], placement_fn=placement_fn,
                              grad_scale=1.0 / self.dp if grad_scale is None else grad_scale,
-                             module_meta=module_meta)
+                             module_meta=module_meta, name_fn=name_fn, outputs_first=outputs_first)
         self.params = {local: p for local, (_canon, p) in self.tracer.params.items()}
         placement = ddp_placement(self.dp_rank, self.dp)
         self.param_placement = param_placement or (lambda local: placement)
@@ -205,40 +209,3 @@ class DDPTracer:
         """End tracing (:meth:`remove`)."""
         self.remove()
 
-
-def dtensor_placement(t: Any, group_names: Sequence[str] | None = None) -> dict[str, Any]:
-    """Placement dict of this rank's local shard of a ``DTensor`` (``t.to_local()``).
-
-    One :class:`~tracer.trace.canonical.ShardDim` per mesh dimension, in mesh order (DTensor
-    shards the outer mesh dimension first, the order :func:`tracer.trace.canonical.assemble`
-    undoes in reverse): ``Shard(d)`` -> ``contiguous`` on dim ``d``, ``Replicate()`` ->
-    ``replicated``, ``Partial()`` -> ``partial`` (a pending sum; other reduce ops are
-    refused). Group names are the mesh's ``mesh_dim_names`` (or ``group_names``, or
-    ``mesh<i>``). ``full_shape`` is the DTensor's global shape. Duck-typed on
-    ``placements``, ``device_mesh`` (``size(i)``, ``get_coordinate()``) and ``shape``.
-
-    Uneven shards: DTensor uses ``torch.chunk`` sizes (``ceil(n / size)`` per rank, the last
-    ranks shorter) while :func:`tracer.trace.canonical.shard` uses ``torch.tensor_split``; assembly
-    (concatenation) is the same, only re-sharding a full tensor differs.
-    """
-    from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
-    mesh = t.device_mesh
-    names = list(group_names or getattr(mesh, "mesh_dim_names", None) or
-                 [f"mesh{i}" for i in range(len(t.placements))])
-    coord = mesh.get_coordinate()
-    if coord is None:
-        raise ValueError("this rank is not in the DTensor's device mesh")
-    dims = []
-    for i, pl in enumerate(t.placements):
-        rank, size = int(coord[i]), int(mesh.size(i))
-        if isinstance(pl, Shard):
-            dims.append(ShardDim(int(pl.dim) % len(t.shape), names[i], rank, size, "contiguous"))
-        elif isinstance(pl, Replicate):
-            dims.append(ShardDim(None, names[i], rank, size, "replicated"))
-        elif isinstance(pl, Partial):
-            if getattr(pl, "reduce_op", "sum") != "sum":
-                raise ValueError(f"Partial({pl.reduce_op!r}) over {names[i]}: only a pending sum is supported")
-            dims.append(ShardDim(None, names[i], rank, size, "partial"))
-        else:
-            raise TypeError(f"unsupported DTensor placement {pl!r} on mesh dim {i}")
-    return Placement(tuple(dims), full_shape=tuple(t.shape)).to_dict()

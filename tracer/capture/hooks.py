@@ -53,6 +53,7 @@ import torch
 from torch import nn
 
 from tracer.errors import TraceError
+from tracer.trace.dtensor import local_shard
 from tracer.trace.schema import Phase
 from tracer.trace.store import TraceWriter
 
@@ -121,6 +122,13 @@ class Tracer:
     ``module_meta``: ``fnmatch`` pattern on local module names -> extra meta for every record
     of a matching module, read back by the checker (e.g. ``{"*.router.linear":
     tracer.compare.decisions.topk_meta(2)}``: that module's output scores a top-2 choice).
+    ``outputs_first``: the forward hooks run before any the module already has (``prepend``),
+    so outputs are recorded as the module computed them, before e.g. a tensor-parallel style
+    turns a ``DTensor`` into its local tensor or redistributes a pending sum.
+
+    DTensors (FSDP2, tensor parallelism) are recorded as their local shard with the placement
+    their spec gives (:mod:`tracer.trace.dtensor`), whatever placement the caller passed;
+    ``placement_fn`` is asked about other tensors only.
 
     Usage::
 
@@ -145,7 +153,7 @@ class Tracer:
                  name_fn: Callable[[str], str] | None = None,
                  placement_fn: Callable[[str, str, torch.Tensor], dict[str, Any]] | None = None,
                  grad_scale: float = 1.0,
-                 module_meta: dict[str, dict[str, Any]] | None = None) -> None:
+                 module_meta: dict[str, dict[str, Any]] | None = None, outputs_first: bool = False) -> None:
         unknown = set(capture) - set(CAPTURES)
         if unknown:
             raise ValueError(f"unknown capture kinds {sorted(unknown)}; choose from {CAPTURES}")
@@ -156,6 +164,7 @@ class Tracer:
         self.placement_fn = placement_fn
         self.module_meta = dict(module_meta or {})
         self.grad_scale = float(grad_scale)
+        self.outputs_first = bool(outputs_first)
         self._step: int | None = None
         self._microbatch = 0
         self._index = 0
@@ -188,7 +197,8 @@ class Tracer:
                 self._handles.append(module.register_forward_pre_hook(
                     self._pre_hook(local, canon), with_kwargs=True))
             if {"fwd_out", "bwd_out"} & self.capture:
-                self._handles.append(module.register_forward_hook(self._post_hook(local, canon)))
+                self._handles.append(module.register_forward_hook(self._post_hook(local, canon),
+                                                                  prepend=self.outputs_first))
         if "grad" in self.capture:
             for local, (canon, p) in self.params.items():
                 if p.requires_grad:
@@ -254,6 +264,9 @@ class Tracer:
                 if fnmatch.fnmatchcase(local, pattern):
                     meta.update(extra)
         meta.setdefault("call", call)
+        tensor, spec = local_shard(tensor)
+        if spec is not None:  # a DTensor's own spec, whatever the caller assumed
+            placement = spec
         if placement is None and self.placement_fn is not None and local is not None:
             placement = self.placement_fn(local, name, tensor)
         index, self._index = self._index, self._index + 1

@@ -54,6 +54,7 @@ from tracer.errors import (
     TraceWriteError,
 )
 from tracer.trace.canonical import Placement
+from tracer.trace.dtensor import is_dtensor
 from tracer.trace.safetensors_writer import write_safetensors
 from tracer.trace.schema import ENTRY_FIELDS, Entry
 from tracer.trace.stats import STATS_CHUNK, PendingStats, tensor_stats, tensor_stats_many
@@ -504,6 +505,10 @@ class TraceWriter:
         if not isinstance(tensor, torch.Tensor):
             raise TraceError(f"expected a torch.Tensor, got {type(tensor).__name__}",
                              rank=self.rank, step=step, tensor=name)
+        if is_dtensor(tensor):
+            raise TraceError("a DTensor is stored as its local shard with the placement its spec gives: pass "
+                             "the pair tracer.trace.dtensor.local_shard(tensor) returns (the hooks of "
+                             "tracer.capture.hooks.Tracer do this)", rank=self.rank, step=step, tensor=name)
         if tensor.layout != torch.strided:
             raise TraceError(f"only dense (strided) tensors can be traced, got {tensor.layout}; "
                              "trace tensor.to_dense()", rank=self.rank, step=step, tensor=name)

@@ -61,7 +61,7 @@ EXACT_FUNCTIONS = frozenset(
         "expand", "diagonal", "diag_embed", "select", "slice_scatter", "select_scatter", "type", "cpu",
         "cuda", "pin_memory", "share_memory_", "squeeze_", "unsqueeze_", "t_", "transpose_", "resize_",
         "set_", "float", "double", "cummax", "cummin", "nan_to_num", "nan_to_num_", "where",
-        "__deepcopy__", "__reduce_ex__", "__setstate__", "data_ptr", "untyped_storage")]
+        "__deepcopy__", "__reduce_ex__", "__setstate__", "data_ptr", "untyped_storage", "grad.__get__")]
     + [f"torch.{f}" for f in (
         "where", "zeros", "ones", "full", "empty", "zeros_like", "ones_like", "full_like", "empty_like",
         "empty_strided", "tensor", "as_tensor", "from_numpy", "abs", "neg", "relu", "clamp", "clip",

@@ -515,17 +515,24 @@ class NoiseInjector(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         call = classify(func, args, kwargs)
-        if call is None:
+        if call is not None and (call.kind in ("structural", "masked_fill") or not any(
+                isinstance(t, torch.Tensor) and t.is_floating_point() for t in call.inputs)):
+            self._census.add("exact", op_name(func))
+            return func(*args, **kwargs)
+        distributed = _distributed_tensor_call(args, kwargs)
+        if call is None or distributed:
             out = func(*args, **kwargs)
-            category, name = unclassified_category(func, args, kwargs, out), op_name(func)
+            name = op_name(func)
+            if call is not None:  # a DTensor's op: exact (a gather, power-of-two scaling, widening cast), or
+                category = "unmodelled" if _rounds(call, out) else "exact"  # rounding on each rank's shard
+            else:
+                category = unclassified_category(func, args, kwargs, out)
+            if distributed and category == "unmodelled":
+                name = f"DTensor {name}"
             if category == "unmodelled":
                 category = "optimizer" if self._in_optimizer else ("accepted" if name in self.accepted else category)
             self._census.add(category, name)
             return out
-        if call.kind in ("structural", "masked_fill") or not any(
-                isinstance(t, torch.Tensor) and t.is_floating_point() for t in call.inputs):
-            self._census.add("exact", op_name(func))
-            return func(*args, **kwargs)
         slot = _Slot()
         if self.backward and torch.is_grad_enabled():
             fns = self._grad_noise_fns(call, slot)
@@ -577,6 +584,18 @@ class NoiseInjector(TorchFunctionMode):
                 out = _CaptureGrad.apply(out, slot)
             return out
         return noisy
+
+
+def _distributed_tensor_call(args: tuple, kwargs: dict) -> bool:
+    """A call on a distributed tensor (``DTensor``: FSDP2's gradients in a ``clip_grad_norm_``, an
+    optimizer over sharded parameters), directly or in a list argument. It is not perturbed: its
+    bound would have to be taken on each rank's local shard and combined over the mesh, which
+    this injector does not model. The census counts it under its name prefixed ``DTensor ``
+    (unmodelled unless accepted, like any op without a model)."""
+    def dist(a) -> bool:
+        return any(c.__name__ == "DTensor" for c in type(a).__mro__) if isinstance(a, torch.Tensor) else False
+    return any(dist(a) or (isinstance(a, (list, tuple)) and any(dist(x) for x in a))
+               for a in (*args, *kwargs.values()))
 
 
 def _work_dtype(dtype: torch.dtype) -> torch.dtype:
