@@ -165,9 +165,9 @@ COMPARE = [
     ("same-directory", ["compare", REF, REF], "reference '{t}/ref' and candidate '{t}/ref' are the same directory"),
     ("same-directory-via-link", ["compare", REF, "{t}/ref_link"], "are the same directory: comparing a run with "
                                                                   "itself says nothing"),
-    ("swapped-multi-rank", ["compare", "{t}/multi", REF], "was traced on 2 ranks: the reference is the single-device "
-                                                          "run with noise samples; is this the candidate (reference "
-                                                          "and candidate swapped)?"),
+    ("swapped-multi-rank", ["compare", "{t}/multi", REF], "was traced on 2 ranks and has no noise samples: a reference "
+                                                          "is either the single-device run with noise samples, or a "
+                                                          "distributed reference"),
     ("swapped-noise", ["compare", CAND, REF], "(the candidate has noise samples: reference and candidate swapped?)"),
     ("no-noise-samples", ["compare", "{t}/nonoise", CAND], "reference '{t}/nonoise' has no noise samples"),
     ("noise-is-reference", ["compare", REF, CAND, "--noise", REF],

@@ -444,10 +444,11 @@ def _refuse_swapped_or_same(ref: TraceReader, cand: TraceReader, noisy: list[Tra
                                    "sample: a sample is a separate perturbed run of the reference, "
                                    "reference/noise/sample_K; pass those (or leave noise= out)", path=n.root)
         if n.world_size != ref.world_size:
-            raise SameRunError(f"noise sample {str(n.root)!r} was traced on {n.world_size} ranks; a noise sample "
-                               f"is a run of the reference on its {ref.world_size} rank(s) (a single-device run "
-                               "of a single-device reference; a distributed reference's samples are traced by the "
-                               "same multi-rank run: reference/noise/sample_K)", path=n.root)
+            what = ("a noise sample is a single-device run of the reference (reference/noise/sample_K)"
+                    if ref.world_size == 1 else f"a noise sample of a distributed reference is traced by the same "
+                    f"run, on its {ref.world_size} ranks (reference/noise/sample_K)")
+            raise SameRunError(f"noise sample {str(n.root)!r} was traced on {n.world_size} ranks; {what}",
+                               path=n.root)
         of = (n.run.get("meta") or {}).get("noise_sample_of")
         if of and ref.run_id and of != ref.run_id:
             raise NoiseSampleError(f"noise sample {str(n.root)!r} perturbs the reference run {of!r}, not this "
