@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["FEATURES", "Layout", "build_mesh", "parallelize", "tp_plan"]
+__all__ = ["FEATURES", "Layout", "build_mesh", "fsdp_reduction", "mixed_precision_policy", "parallelize",
+           "reshard_after_backward", "tp_plan"]
 
 FEATURES = ("sp", "lp", "ac", "tied")
 
@@ -129,7 +130,7 @@ def parallelize(model: nn.Module, layout: Layout, mesh: Any, dtype: torch.dtype,
                 reshard_after_forward: bool = True) -> nn.Module:
     """Apply TP, activation checkpointing and FSDP2 to ``model`` in place (torchtitan's order);
     returns the model."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
     names = mesh.mesh_dim_names
     if layout.tp > 1:
@@ -142,9 +143,36 @@ def parallelize(model: nn.Module, layout: Layout, mesh: Any, dtype: torch.dtype,
         for k, b in list(model.layers.items()):
             model.layers[k] = checkpoint_wrapper(b, preserve_rng_state=False)
     dp_mesh = mesh[tuple(n for n in names if n.startswith("dp"))]
-    mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-          if dtype == torch.bfloat16 else MixedPrecisionPolicy())
-    for b in model.layers.values():
-        fully_shard(b, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    mp = mixed_precision_policy(dtype, mesh.get_rank())
+    divide, force_sum = fsdp_reduction(layout)
+    for m in [*model.layers.values(), model]:
+        fully_shard(m, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+        if force_sum:
+            m.set_force_sum_reduction_for_comms(True)
+        if divide is not None:
+            m.set_gradient_divide_factor(divide)
+        if not reshard_after_backward(layout):
+            m.set_reshard_after_backward(False)
     return model
+
+
+def mixed_precision_policy(dtype: torch.dtype, rank: int) -> Any:
+    """FSDP2's policy on global rank ``rank``: bf16 parameters with fp32 gradient reduction in a bf16
+    run (torchtitan's ``mixed_precision_param="bfloat16"``, ``mixed_precision_reduce="float32"``),
+    none in an fp32 one. The same on every rank."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    return (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if dtype == torch.bfloat16 else MixedPrecisionPolicy())
+
+
+def fsdp_reduction(layout: Layout) -> tuple[float | None, bool]:
+    """FSDP2's gradient reduction settings: (``set_gradient_divide_factor`` or ``None`` for FSDP2's
+    default, the data-parallel size; ``set_force_sum_reduction_for_comms``). Default: ``(None, False)``,
+    nothing set, FSDP2 averages over ``dp_replicate * dp_shard``."""
+    return None, False
+
+
+def reshard_after_backward(layout: Layout) -> bool:
+    """Whether FSDP2 frees the unsharded parameters after backward (its default, ``True``): the next
+    forward all-gathers the parameters the optimizer has just updated."""
+    return True

@@ -57,17 +57,16 @@ def reference_noise(tp: int, dp: int, dtype: str) -> dict[str, Any]:
 
 def trace_job(job: dict[str, Any]) -> dict[str, Any]:
     """Run and trace one job on this rank (see the module docstring)."""
-    from examples.torchtitan_cpu.bugs import BUGS
     t0 = time.perf_counter()
     with released_groups():
         layout = Layout.parse(job["layout"])
         seed = int(job.get("seed", 0))
-        run = Run(layout, job["dtype"], seed=seed)
+        run = Run(layout, job["dtype"], seed=seed, bug=job.get("bug"))
         sig = signature(layout, job["dtype"], seed)
         rank = run.mesh.get_rank()
         writer = TraceWriter(job["root"], rank, layout.world, {"layout": layout.name, "dtype": job["dtype"]}, sig)
         tr = tracer_for(run, writer)
-        undo = BUGS.inject(job["bug"], run) if job.get("bug") else None
+        undo = run.undo_bug
         losses = []
         try:
             samples = int(job.get("noise_samples", 0))

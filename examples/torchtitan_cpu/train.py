@@ -28,7 +28,8 @@ from examples.torchtitan_cpu.parallelize import Layout, build_mesh, parallelize
 from tracer.adapters.dtensor import DTensorTracer
 from tracer.trace.store import TraceWriter
 
-__all__ = ["DTYPES", "GLOBAL_MICROBATCHES", "Run", "clip_gradients", "cross_entropy", "lr_at", "tracer_for"]
+__all__ = ["DTYPES", "GLOBAL_MICROBATCHES", "Run", "clip_gradients", "cross_entropy", "lr_at", "microbatch_backward",
+           "tracer_for"]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 GLOBAL_MICROBATCHES = 4
@@ -53,6 +54,12 @@ def cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(0, 1))
 
 
+def microbatch_backward(model: torch.nn.Module, loss: torch.Tensor, n: int) -> None:
+    """One microbatch's backward: ``loss / n``, its gradients accumulated into ``p.grad`` (by FSDP2,
+    into the reduce-scattered sharded gradients)."""
+    (loss / n).backward()
+
+
 def clip_gradients(model: torch.nn.Module) -> torch.Tensor:
     """``clip_grad_norm_`` over the (DTensor) gradients; returns the total norm as a plain tensor."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, foreach=True)
@@ -62,7 +69,8 @@ def clip_gradients(model: torch.nn.Module) -> torch.Tensor:
 class Run:
     """This rank's model, optimizer and data for ``layout`` in ``dtype`` (``"fp32"``/``"bf16"``)."""
 
-    def __init__(self, layout: Layout, dtype: str, seed: int = 0, args: ModelArgs | None = None) -> None:
+    def __init__(self, layout: Layout, dtype: str, seed: int = 0, args: ModelArgs | None = None,
+                 bug: str | None = None) -> None:
         self.layout, self.dtype = layout, dtype
         self.args = args or ModelArgs(tied_embeddings=layout.tied)
         self.mesh = build_mesh(layout)
@@ -73,6 +81,12 @@ class Run:
             if n.startswith("dp"):
                 self.dp_rank = self.dp_rank * self.mesh.size(i) + int(coord[i])
         self.tp_rank = int(coord[names.index("tp")]) if "tp" in names else 0
+        # an injected bug (examples.torchtitan_cpu.bugs) patches the harness before the model is built,
+        # so that it may replace a build step (the TP plan, FSDP2's settings) as well as a training one
+        self.undo_bug = None
+        if bug:
+            from examples.torchtitan_cpu.bugs import BUGS
+            self.undo_bug = BUGS.inject(bug, self)
         torch.manual_seed(seed)
         self.model = parallelize(Transformer(self.args), layout, self.mesh, DTYPES[dtype])
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=lr_at(0), weight_decay=WEIGHT_DECAY, foreach=True)
@@ -100,7 +114,7 @@ class Run:
                 with self.loss_context():
                     loss = cross_entropy(self.model(tokens), labels)
                     tr.record_loss(loss)                                     # trace
-                    (loss / self.n_local).backward()
+                    microbatch_backward(self.model, loss, self.n_local)
                 total += float(loss.full_tensor() if hasattr(loss, "full_tensor") else loss) / self.n_local
             tr.after_backward()                                              # trace
             tr.record_grad_norm(clip_gradients(self.model))                  # trace
