@@ -7,11 +7,12 @@ layouts, and every registered bug caught at the tensor and phase it declares.
 
 * ``clean``: every (layout, dtype) row of the clean matrix, for every seed, is traced (real
   megatron-core under gloo; ``torch:`` layouts on the plain-PyTorch harness,
-  :mod:`examples.torch_parallel`) and compared with the single-device reference
+  :mod:`examples.torch_parallel`; ``titan:`` layouts on the torchtitan-style FSDP2/HSDP/DTensor
+  harness, :mod:`examples.torchtitan_cpu`) and compared with the single-device reference
   (:func:`tracer.compare.check.compare`). Per row: tensors compared, tensors not ``ok`` (goal 0),
   the largest error/threshold (the safety margin), wall time.
 * ``detect``: every registered bug (:mod:`examples.megatron_cpu.bugs`,
-  :mod:`examples.torch_parallel.bugs`; or ``--bug``) runs on the first layout (smallest world)
+  :mod:`examples.torch_parallel.bugs`, :mod:`examples.torchtitan_cpu.bugs`; or ``--bug``) runs on the first layout (smallest world)
   that satisfies its ``needs``; the first divergence found is checked against the declared one
   (phase equal, name matching the declared ``fnmatch`` pattern), and replicated copies that
   drifted across ranks are reported.
@@ -26,7 +27,8 @@ Virtual pipelining (``+vpp2``: 2 model chunks per stage, megatron's interleaved 
 single-process reference.
 
 Cost control: one reference trace per harness, model, seed and dtype (with ``--noise-samples`` noise
-samples, modelling a TP split of the largest TP in the run), all references in one world-1
+samples, modelling a TP split of the largest TP in the run, and for the torchtitan-style harness the
+largest data-parallel size's fp32 gradient reduction), all references in one world-1
 gloo launch, and all candidates of one world size in one launch. Candidate traces are deleted
 once compared (``--keep-traces`` keeps them).
 
@@ -55,6 +57,8 @@ from examples.megatron_cpu.bugs import BUGS as MEGATRON_BUGS
 from examples.megatron_cpu.gpt import layout_name
 from examples.torch_parallel.bugs import BUGS as TORCH_BUGS
 from examples.torch_parallel.layout import Layout
+from examples.torchtitan_cpu.bugs import BUGS as TITAN_BUGS
+from examples.torchtitan_cpu.parallelize import Layout as TitanLayout
 
 __all__ = [
     "LAYOUTS",
@@ -93,8 +97,15 @@ LAYOUTS.update({TORCH + n: {"torch": Layout.parse(n)} for n in (
     "tp2.cp1.dp1+sp", "tp1.cp2.dp1", "tp1.cp4.dp1", "tp2.cp2.dp1+sp", "tp1.cp2.dp2",
     "tp2.cp1.dp1+fp8", "tp2.cp1.dp1+sp+fp8", "tp2.cp2.dp1+fp8", "tp1.cp1.dp2+fp8", "tp1.cp1.dp2+fp8+recompute",
     "tp1.cp1.dp2+moe", "tp2.cp1.dp1+sp+moe", "tp1.cp2.dp2+moe")})
-#: every bug of both harnesses (names are unique across them)
-BUGS: dict[str, Bug] = {**MEGATRON_BUGS, **TORCH_BUGS}
+#: the torchtitan-style harness's layouts (``examples/torchtitan_cpu``): FSDP2, HSDP, DTensor TP/SP,
+#: loss_parallel, activation checkpointing, tied embeddings, world <= 4
+TITAN = "titan:"
+LAYOUTS.update({TITAN + n: {"titan": TitanLayout.parse(n)} for n in (
+    "r1.s2.t1", "r1.s4.t1", "r2.s2.t1", "r1.s1.t2", "r1.s1.t2+sp", "r1.s1.t2+sp+lp", "r1.s2.t2+sp",
+    "r1.s2.t1+ac", "r1.s2.t1+tied")})
+#: every bug of the three harnesses (names are unique across them)
+BUGS: dict[str, Bug] = {**MEGATRON_BUGS, **TORCH_BUGS, **TITAN_BUGS}
+assert len(BUGS) == len(MEGATRON_BUGS) + len(TORCH_BUGS) + len(TITAN_BUGS), "bug names must be unique"
 DTYPES = ("fp32", "bf16")
 SEEDS = (0, 1, 2)
 STEPS = 3
@@ -102,15 +113,18 @@ NOISE_SAMPLES = 4
 BUG_SEED, BUG_DTYPE = 0, "bf16"
 #: the CI subset: (layout, dtype) rows, one seed, and bugs placed on those layouts
 QUICK_ROWS = (("tp2.pp2.dp1+sp", "bf16"), ("tp2.pp1.dp2+sp+distopt", "fp32"), ("tp1.pp2.dp1+vpp2", "bf16"),
-              ("torch:tp1.cp2.dp1", "fp32"), ("torch:tp2.cp2.dp1+fp8", "bf16"))
+              ("torch:tp1.cp2.dp1", "fp32"), ("torch:tp2.cp2.dp1+fp8", "bf16"), ("titan:r1.s2.t2+sp", "bf16"))
 QUICK_BUGS = ("sp_norm_grad_not_reduced", "tied_embedding_grad_not_allreduced", "dp_grad_scale_skipped",
-              "vpp_p2p_mispaired", "cp_ring_backward_stale_kv", "norm_grad_times_tp_with_cp_fp8")
+              "vpp_p2p_mispaired", "cp_ring_backward_stale_kv", "norm_grad_times_tp_with_cp_fp8",
+              "sp_rope_rank_offset")
 LAUNCH_TIMEOUT_S = 3 * 3600.0
 
 
 def _world(layout: dict[str, Any]) -> int:
     if "torch" in layout:
         return layout["torch"].world
+    if "titan" in layout:
+        return layout["titan"].world
     return int(layout.get("tp", 1)) * int(layout.get("pp", 1)) * int(layout.get("dp", 1))
 
 
@@ -126,11 +140,34 @@ def _torch_reference(name: str) -> str:
     return TORCH + Layout.parse(name[len(TORCH):]).reference().name
 
 
+def _titan_reference(name: str) -> str:
+    """The reference layout of a torchtitan-style layout: one rank, the same model (tied or not)."""
+    return TITAN + TitanLayout.parse(name[len(TITAN):]).reference().name
+
+
+def _harness(name: str) -> str:
+    """The harness of a layout or reference name: ``torch``, ``titan`` or ``megatron``."""
+    return "torch" if name.startswith(TORCH) else "titan" if name.startswith(TITAN) else "megatron"
+
+
+def _tp(name: str) -> int:
+    lay = LAYOUTS[name]
+    return lay["torch"].tp if "torch" in lay else lay["titan"].tp if "titan" in lay else int(lay["tp"])
+
+
+def _dp(name: str) -> int:
+    lay = LAYOUTS[name]
+    return lay["torch"].dp if "torch" in lay else lay["titan"].dp if "titan" in lay else int(lay["dp"])
+
+
 def _reference(name: str) -> str:
-    """The reference of a clean layout: the plain-PyTorch one (:func:`_torch_reference`), or
-    megatron-core's single process for its model (``reference``, ``reference+vpp-model``)."""
+    """The reference of a clean layout: the plain-PyTorch or torchtitan-style one
+    (:func:`_torch_reference`, :func:`_titan_reference`), or megatron-core's single process for its
+    model (``reference``, ``reference+vpp-model``)."""
     if name.startswith(TORCH):
         return _torch_reference(name)
+    if name.startswith(TITAN):
+        return _titan_reference(name)
     return "reference+vpp-model" if int(LAYOUTS[name].get("vpp", 1)) > 1 else "reference"
 
 
@@ -157,6 +194,7 @@ class Job:
     bug: str | None = None
     noise_samples: int = 0
     noise_tp: int = 2
+    noise_dp: int = 1               # torchtitan-style references: the largest data-parallel size modelled
     resync_from: str | None = None  # a reference re-synchronised to this candidate trace (tracer.capture.resync)
     optim: bool = False             # a candidate that also traces its optimizer state (capture "optim")
 
@@ -166,11 +204,18 @@ class Job:
 
     @property
     def harness(self) -> str:
-        return "torch" if self.layout.startswith(TORCH) else "megatron"
+        return _harness(self.layout)
 
     def spec(self) -> dict[str, Any]:
-        """The job as :func:`examples.megatron_cpu.demo._trace_worker` or
-        :func:`examples.torch_parallel.run.trace_job` takes it."""
+        """The job as :func:`examples.megatron_cpu.demo._trace_worker`,
+        :func:`examples.torch_parallel.run.trace_job` or :func:`examples.torchtitan_cpu.run.trace_job`
+        takes it."""
+        if self.harness == "titan":
+            if self.resync_from or self.optim:
+                raise ValueError(f"{self.layout}: --resync is not supported on the torchtitan-style harness")
+            return {"harness": "titan", "layout": self.layout[len(TITAN):], "dtype": self.dtype, "seed": self.seed,
+                    "steps": self.steps, "root": self.root, "bug": self.bug, "noise_samples": self.noise_samples,
+                    "noise_tp": self.noise_tp, "noise_dp": self.noise_dp}
         if self.harness == "torch":
             return {"harness": "torch", "layout": self.layout[len(TORCH):], "dtype": self.dtype, "seed": self.seed,
                     "steps": self.steps, "root": self.root, "bug": self.bug, "noise_samples": self.noise_samples,
@@ -192,10 +237,16 @@ def _job_worker(rank: int, world: int, jobs: list[dict[str, Any]]) -> list[dict[
     """Gloo worker: each job through the demo's trace worker, timed (wall seconds per job)."""
     from examples.megatron_cpu.demo import _trace_worker
     from examples.torch_parallel.run import trace_job
+    from examples.torchtitan_cpu.run import trace_job as titan_trace_job
     out = []
     for job in jobs:
         t = time.perf_counter()
-        rec = trace_job(job) if job.get("harness") == "torch" else _trace_worker(rank, world, [job])[0]
+        if job.get("harness") == "torch":
+            rec = trace_job(job)
+        elif job.get("harness") == "titan":
+            rec = titan_trace_job(job)
+        else:
+            rec = _trace_worker(rank, world, [job])[0]
         out.append({**rec, "wall_s": time.perf_counter() - t})
     return out
 
@@ -237,11 +288,11 @@ def _satisfies(needs: dict[str, Any], layout: dict[str, Any]) -> bool:
 
 def pick_layout(b: Bug, names: list[str]) -> str | None:
     """The first layout among ``names`` with the smallest world that satisfies ``b.needs``; a
-    plain-PyTorch bug names its layout (``needs["layout"]``)."""
+    plain-PyTorch or torchtitan-style bug names its layout (``needs["layout"]``)."""
     if "layout" in b.needs:
-        name = TORCH + b.needs["layout"]
+        name = (TITAN if TITAN_BUGS.get(b.name) is b else TORCH) + b.needs["layout"]
         return name if name in names else None
-    ok = [n for n in names if "torch" not in LAYOUTS[n] and _satisfies(b.needs, LAYOUTS[n])]
+    ok = [n for n in names if _harness(n) == "megatron" and _satisfies(b.needs, LAYOUTS[n])]
     return min(ok, key=lambda n: (_world(LAYOUTS[n]), names.index(n))) if ok else None
 
 
@@ -293,6 +344,8 @@ def _ref_root(out: Path, seed: int, dtype: str, layout: str = "reference") -> Pa
     ref = _reference_of(layout)
     if ref.startswith(TORCH):
         return out / f"ref_torch_{Layout.parse(ref[len(TORCH):]).reference().name}_{dtype}_s{seed}"
+    if ref.startswith(TITAN):
+        return out / f"ref_titan_{TitanLayout.parse(ref[len(TITAN):]).reference().name}_{dtype}_s{seed}"
     return out / (f"ref_{dtype}_s{seed}" if ref == "reference" else f"ref_vpp-model_{dtype}_s{seed}")
 
 
@@ -523,15 +576,16 @@ def main(argv: list[str] | None = None) -> int:
     # of the plain-PyTorch layouts; each models a TP split of the largest TP of its harness
     cands = [(n, d, s) for n, d in rows for s in seeds] + [
         (lay, BUGS[n].needs.get("dtype", BUG_DTYPE), BUG_SEED) for n, lay in placed]
-    noise_tp = {h: max([LAYOUTS[n]["torch"].tp if "torch" in LAYOUTS[n] else LAYOUTS[n]["tp"]
-                        for n, _, _ in cands if n.startswith(TORCH) == (h == "torch")] + [1])
-                for h in ("megatron", "torch")}
+    noise_tp = {h: max([_tp(n) for n, _, _ in cands if _harness(n) == h] + [1]) for h in ("megatron", "torch")}
+    if any(_harness(n) == "titan" for n, _, _ in cands):  # and the largest data-parallel size
+        noise_tp["titan"] = max(_tp(n) for n, _, _ in cands if _harness(n) == "titan")
+    noise_dp = max([_dp(n) for n, _, _ in cands if _harness(n) == "titan"] + [1])
     def reference(cand: Path, layout: str, seed: int, dtype: str) -> Path:
         return Path(f"{cand}_ref") if a.resync else _ref_root(out, seed, dtype, layout)
 
     refs = [] if a.resync else sorted({(_reference(n), s, d) for n, d, s in cands})
     jobs = [Job("ref", r, s, d, a.steps, str(_ref_root(out, s, d, r)), noise_samples=a.noise_samples,
-                noise_tp=noise_tp["torch" if r.startswith(TORCH) else "megatron"]) for r, s, d in refs]
+                noise_tp=noise_tp[_harness(r)], noise_dp=noise_dp) for r, s, d in refs]
     jobs += [Job("clean", n, s, d, a.steps, str(out / f"clean_{n}_{d}_s{s}"), optim=a.resync)
              for n, d in rows for s in seeds]
     jobs += [Job("bug", lay, BUG_SEED, BUGS[n].needs.get("dtype", BUG_DTYPE), a.steps, str(out / f"bug_{n}"),
@@ -539,12 +593,14 @@ def main(argv: list[str] | None = None) -> int:
     # re-synchronised references run after their candidates, whose traces they load
     synced_refs = [Job("ref", _reference(j.layout), j.seed, j.dtype, a.steps, str(reference(Path(j.root), j.layout,
                                                                                           j.seed, j.dtype)),
-                       noise_samples=a.noise_samples, noise_tp=noise_tp[j.harness], resync_from=j.root)
+                       noise_samples=a.noise_samples, noise_tp=noise_tp[j.harness], noise_dp=noise_dp,
+                       resync_from=j.root)
                    for j in jobs if j.optim]
     t0 = time.perf_counter()
     _log(f"detection benchmark: {len(rows)} clean row(s) x {len(seeds)} seed(s), {len(placed)} bug(s), "
          f"{a.steps} steps, {len(refs) + len(synced_refs)} reference(s) ({len(synced_refs)} re-synchronised) "
-         f"with {a.noise_samples} noise samples (TP {noise_tp})")
+         f"with {a.noise_samples} noise samples (TP {noise_tp}"
+         + (f", torchtitan-style DP {noise_dp})" if "titan" in noise_tp else ")"))
     for s in skipped:
         _log(f"  skipped bug {s}")
     results = run_jobs(jobs, log=_log)
