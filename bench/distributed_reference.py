@@ -233,8 +233,12 @@ def _expected(b: Any) -> str:
 
 
 def judge(runs: list[Run], log: Callable[[str], None] = _log) -> tuple[list[CleanRow], list[BugRow]]:
-    """Compare every candidate with its reference; the two tables' rows."""
+    """Compare every candidate with its reference; the two tables' rows. Compares on one thread:
+    on this shared 2-core machine torch's intra-op threads made the block-scale pass of whole noise
+    samples (a distributed reference's) ~15x slower under load (146 s vs 10 s for one comparison)."""
+    import torch
     from tracer.compare.check import compare
+    torch.set_num_threads(1)
     refs = {(r.pair, r.dtype, r.seed): Path(r.root) for r in runs if r.kind == "ref"}
     clean: dict[tuple, CleanRow] = {}
     bugs = []

@@ -1,6 +1,6 @@
 """A distributed reference (issue 32, part 3; docs/distributed-reference.md).
 
-One gloo launch (world 2) for the megatron-core part: a TP=2 reference (bf16, 2 steps) with 3
+One gloo launch (world 2) for the megatron-core part: a TP=2 reference (bf16, 1 step) with 3
 noise samples taken on both ranks in lockstep, a clean TP=2+SP candidate, and the same candidate
 with the catalogue bug ``sp_norm_grad_not_reduced``. ``compare`` must accept the 2-rank
 reference, call the clean candidate consistent and find the bug at its declared first
@@ -23,7 +23,7 @@ from tracer.trace.canonical import Placement, ShardDim
 from tracer.trace.store import TraceReader, TraceWriter
 
 SIG = "distributed-reference"
-STEPS = 2
+STEPS = 1
 SAMPLES = 3
 BUG = "sp_norm_grad_not_reduced"
 REF_LAYOUT = {"tp": 2, "pp": 1, "dp": 1, "sp": False, "distopt": False}
@@ -175,3 +175,17 @@ def test_replicated_records_of_the_noise_samples_are_perturbed_identically_on_ev
                 if k in c0 and e.phase == "fwd" and a.is_floating_point():
                     perturbed += not torch.equal(a, clean.load(step, 0, c0[k].key))
     assert checked > 20 and perturbed > 10, (checked, perturbed)
+
+
+def test_the_noise_of_a_tp2_reference_models_its_own_split_and_the_candidates():
+    """reference_noise(4, ..., reference_tp=2): the injector's variance is that of a 2-way split vs a
+    4-way one, larger than an unsplit run's vs the 4-way split (the single-device reference's)."""
+    from tracer.adapters.megatron import reference_noise
+    from ttrace_num.propagate.noise import NoiseInjector
+    q, c = torch.rand(8, 8, dtype=torch.float64) * 64, torch.randn(8, 8, dtype=torch.float64) * 4
+    amp = {}
+    for ref_tp in (1, 2):
+        kw = reference_noise(4, "bf16", reference_tp=ref_tp)["injector_kwargs"]
+        kw = {k: v for k, v in kw.items() if k != "accepted"}
+        amp[ref_tp] = NoiseInjector(torch.Generator(), **kw)._variance_amplitude(q, c, 256, q.shape)
+    assert bool((amp[2] >= amp[1]).all()) and bool((amp[2] > amp[1]).any())
