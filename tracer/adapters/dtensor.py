@@ -19,11 +19,15 @@ What is recorded, and the placement each record gets:
 * **plain tensors** (activations between parallelised modules, FSDP-only runs): under data
   parallelism each rank holds whole microbatches (global microbatch numbers, as
   :class:`~tracer.adapters.ddp.DDPTracer`); on a ``tp`` mesh dimension they are replicated over it,
-  or, with ``sequence_parallel=True``, split on ``seq_dim`` (torch's ``SequenceParallel`` /
-  ``RowwiseParallel(output_layouts=Shard(1))`` convention). A module whose plain tensors are
+  or, with ``sequence_parallel=True``, the activations among them (floating tensors of at least
+  ``seq_dim + 2`` dimensions: batch, sequence, hidden) are split on ``seq_dim`` (torch's
+  ``SequenceParallel`` / ``RowwiseParallel(output_layouts=Shard(1))`` convention) while token ids
+  and position tables stay replicated. A module whose plain tensors are
   split otherwise (e.g. an attention kernel module fed head-sharded q/k/v) is named in
   ``plain_placements`` (``fnmatch`` pattern on the canonical module name -> DTensor placement on
-  the tp dimension, e.g. ``{"*.sdpa": Shard(1)}``).
+  the tp dimension, e.g. ``{"*.sdpa": Shard(1)}``). A plain tensor that a parallel style made local
+  from a module's DTensor output (``use_local_output``) keeps that output's layout, whichever module
+  returns it (the logits gathered by ``ColwiseParallel(output_layouts=Replicate())`` are replicated).
 * **parameters** (``grad``: ``p.grad`` after the backward of the last microbatch, i.e. after
   FSDP2's reduce-scatter, in the reduce dtype; ``param``: after ``optimizer.step()``): as their
   spec says; a parameter that is not a DTensor is replicated over the whole mesh.
@@ -45,6 +49,7 @@ What is recorded, and the placement each record gets:
 from __future__ import annotations
 
 import fnmatch
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -97,15 +102,29 @@ def mixed_precision(model: nn.Module) -> dict[str, str]:
 
 def injector_models(layout: dict[str, Any], dtype: str) -> dict[str, Any]:
     """:class:`~ttrace_num.propagate.noise.NoiseInjector` keywords for a reference compared with a
-    candidate of ``layout`` (a :attr:`DTensorTracer.layout`) in ``dtype``: its GEMMs split over
-    its ``tp`` size (:func:`tracer.adapters.megatron.injector_models`), and its parameter
-    gradients summed over its ``dp`` ranks in FSDP2's reduce dtype."""
+    candidate of ``layout`` (a :attr:`DTensorTracer.layout`) in ``dtype``
+    (:func:`tracer.adapters.megatron.injector_models`): its GEMMs split over its ``tp`` size, and the
+    parameter-gradient sums over tokens split the same way, partials in ``dtype`` (a norm under
+    sequence parallelism: each tp rank's weight gradient is a sum over its tokens, rounded to
+    the param dtype before the reduction). FSDP2 reduces the microbatch gradients over ``dp`` in its
+    reduce dtype: in fp32 that is one rounding of an fp32 sum, below the bf16/fp32 rounding of the
+    gradients themselves; a narrower reduce dtype (``reduce_dtype=bf16``) is modelled as a split of
+    those sums over ``tp * dp`` ranks reduced in it."""
     from tracer.adapters.megatron import injector_models as split_models
     from ttrace_num.bounds.summation import Summation
-    kw = split_models(max(int(layout.get("mesh", {}).get("tp", 1)), 1), dtype)
+    tp = max(int(layout.get("mesh", {}).get("tp", 1)), 1)
+    kw = split_models(tp, dtype)
     reduce = layout.get("mixed_precision", {}).get("reduce_dtype", dtype)
-    kw["grad_summation"] = Summation(split=max(int(layout.get("dp", 1)), 1), reduce_fmt=reduce)
+    if reduce in ("bf16", "fp16") and int(layout.get("dp", 1)) > 1:
+        kw["grad_summation"] = Summation(split=tp * int(layout["dp"]), reduce_fmt=reduce)
     return kw
+
+
+def _chunk(n: int, size: int, rank: int) -> int:
+    """Length of ``rank``'s piece of ``n`` cut by ``torch.chunk`` into ``size``: ``ceil(n / size)``,
+    the last ranks shorter or empty."""
+    c = -(-n // size)
+    return max(0, min(c, n - rank * c))
 
 
 class DTensorTracer(DDPTracer):
@@ -165,9 +184,17 @@ class DTensorTracer(DDPTracer):
                          loss_placement=self._tp_replicated(),
                          module_meta=module_meta, optimizer=optimizer,
                          role=role or ("reference" if world == 1 else "candidate"), layout=layout,
-                         name_fn=canonical_module_name, outputs_first=True)
+                         name_fn=canonical_module_name, outputs_first=True, grad_placement_from_forward=True)
         self.capture = set(capture)
         self._unsharded_hooked: set[int] = set()
+        #: id -> (weak reference, placement) of plain tensors a parallel style made from a module's
+        #: DTensor output (:meth:`_note_local_output`), for the records of the modules that return them
+        self._from_dtensor: dict[int, tuple[weakref.ref, Any]] = {}
+        if self.tp_dim is not None:
+            for module in self.tracer.modules.values():
+                raw: list[Any] = []
+                self.tracer._handles.append(module.register_forward_hook(self._note_raw_output(raw), prepend=True))
+                self.tracer._handles.append(module.register_forward_hook(self._note_local_output(raw)))
         if "grad_local" in self.capture:
             for local, module in self.tracer.modules.items():
                 if any(p is not None for p in module._parameters.values()):
@@ -192,9 +219,47 @@ class DTensorTracer(DDPTracer):
         from torch.distributed.tensor.placement_types import Replicate, Shard
         canon = canonical_module_name(local)
         pl = next((p for pat, p in self.plain_placements.items() if fnmatch.fnmatchcase(canon, pat)), None)
+        known = self._from_dtensor.get(id(t))
+        if pl is None and known is not None and known[0]() is t:
+            pl = known[1]
         if pl is None:
-            pl = Shard(self.seq_dim) if self.sequence_parallel and t.dim() > self.seq_dim else Replicate()
+            activation = t.is_floating_point() and t.dim() >= self.seq_dim + 2  # (batch, seq, hidden, ...)
+            pl = Shard(self.seq_dim) if self.sequence_parallel and activation else Replicate()
         return self._tp_placement(pl, tuple(t.shape)).to_dict()
+
+    def _note_raw_output(self, raw: list[Any]) -> Callable:
+        """Forward hook run first: the module's DTensor outputs as it computed them (their specs)."""
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            raw[:] = [t for t in (output if isinstance(output, (tuple, list)) else (output,)) if is_dtensor(t)]
+        return hook
+
+    def _note_local_output(self, raw: list[Any]) -> Callable:
+        """Forward hook run last: a plain tensor that a parallel style's output function made from the
+        module's DTensor output (``use_local_output``) is that DTensor redistributed to the style's
+        output layout, then made local; which layout it is, ``Replicate()`` or ``Shard(d)`` on the tp
+        dimension, follows from its local shape against the DTensor's global shape (equal: replicated;
+        one dim cut to this rank's ``torch.chunk`` share: split there). Noted by tensor identity for
+        the records of the modules that return it (a block's attention, the model's logits)."""
+        from torch.distributed.tensor.placement_types import Replicate, Shard
+
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if not self.tracer.active or not raw:
+                return
+            outs = [t for t in (output if isinstance(output, (tuple, list)) else (output,))
+                    if isinstance(t, torch.Tensor) and not is_dtensor(t)]
+            for t, d in zip(outs, raw):
+                full, size = tuple(d.shape), self.mesh_sizes[self.tp_dim]
+                cut = [i for i, (a, b) in enumerate(zip(t.shape, full)) if a != b]
+                if tuple(t.shape) == full:
+                    pl = Replicate()
+                elif len(t.shape) == len(full) and len(cut) == 1 and t.shape[cut[0]] == _chunk(full[cut[0]], size,
+                                                                                             self.tp_rank):
+                    pl = Shard(cut[0])
+                else:
+                    continue
+                self._from_dtensor[id(t)] = (weakref.ref(t), pl)
+            raw.clear()
+        return hook
 
     def _param_placement(self, local: str) -> dict[str, Any] | None:
         """A DTensor parameter's placement is its spec's (None here: the hooks read it); any other
@@ -245,6 +310,7 @@ class DTensorTracer(DDPTracer):
     def step(self, step: int, writer: Any = None):
         """As :meth:`DDPTracer.step`; the unsharded-gradient hooks are re-registered every step."""
         self._unsharded_hooked.clear()
+        self._from_dtensor.clear()
         return super().step(step, writer)
 
     def canonical_name(self, local: str) -> str:

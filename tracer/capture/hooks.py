@@ -125,6 +125,9 @@ class Tracer:
     ``outputs_first``: the forward hooks run before any the module already has (``prepend``),
     so outputs are recorded as the module computed them, before e.g. a tensor-parallel style
     turns a ``DTensor`` into its local tensor or redistributes a pending sum.
+    ``grad_placement_from_forward``: an activation gradient's placement is ``placement_fn``'s for
+    the forward tensor it is the gradient of (taken when the tensor is produced), for adapters
+    that know a tensor's layout by its identity.
 
     DTensors (FSDP2, tensor parallelism) are recorded as their local shard with the placement
     their spec gives (:mod:`tracer.trace.dtensor`), whatever placement the caller passed;
@@ -153,7 +156,8 @@ class Tracer:
                  name_fn: Callable[[str], str] | None = None,
                  placement_fn: Callable[[str, str, torch.Tensor], dict[str, Any]] | None = None,
                  grad_scale: float = 1.0,
-                 module_meta: dict[str, dict[str, Any]] | None = None, outputs_first: bool = False) -> None:
+                 module_meta: dict[str, dict[str, Any]] | None = None, outputs_first: bool = False,
+                 grad_placement_from_forward: bool = False) -> None:
         unknown = set(capture) - set(CAPTURES)
         if unknown:
             raise ValueError(f"unknown capture kinds {sorted(unknown)}; choose from {CAPTURES}")
@@ -165,6 +169,7 @@ class Tracer:
         self.module_meta = dict(module_meta or {})
         self.grad_scale = float(grad_scale)
         self.outputs_first = bool(outputs_first)
+        self.grad_placement_from_forward = bool(grad_placement_from_forward)
         self._step: int | None = None
         self._microbatch = 0
         self._index = 0
@@ -232,11 +237,13 @@ class Tracer:
 
     def _watch_grad(self, t: torch.Tensor, name: str, local: str) -> None:
         microbatch = self._microbatch  # the microbatch whose forward produced the tensor
+        placement = (self.placement_fn(local, name, t) if self.grad_placement_from_forward and
+                     self.placement_fn is not None else None)
 
         def hook(grad: torch.Tensor) -> None:
             if self._step is not None:
                 g = grad if self.grad_scale == 1.0 else grad * self.grad_scale  # a scaled copy
-                self._emit(name, g, Phase.BWD, local, microbatch=microbatch,
+                self._emit(name, g, Phase.BWD, local, microbatch=microbatch, placement=placement,
                            meta={"scaled_by": self.grad_scale} if self.grad_scale != 1.0 else None)
         self._tensor_handles.append(t.register_hook(hook))
 

@@ -14,13 +14,14 @@ DTensor placement on mesh dim ``i``    ShardDim over group ``mesh_dim_names[i]``
                                        dims to its right that shard dim ``d`` (FSDP2 x TP:
                                        TP shards a weight first, FSDP2 shards the TP shard)
 ``Replicate()``                        ``replicated`` (the checker requires equal copies)
-``Partial("sum")``                     ``partial`` (a pending sum, assembled in float64)
+``Partial("sum")``                     ``partial`` (a pending sum, assembled in float64); a
+                                       masked partial (vocabulary-parallel embedding) is stored
+                                       with the out-of-range rows zeroed, the summand it means
 =====================================  ==================================================
 
 in the order the shards were cut, outermost first (mesh order, but a strided shard after the
 dims it follows), which :func:`tracer.trace.canonical.assemble` undoes innermost first.
-``full_shape`` is the DTensor's global shape. Other placements (``Partial("max")``, masked
-partials of a vocabulary-parallel embedding) are refused with a ``ValueError`` naming them:
+``full_shape`` is the DTensor's global shape. Other placements (``Partial("max")``) are refused with a ``ValueError`` naming them:
 a placement the checker cannot assemble must not be stored as if it could.
 
 Functional collectives hand back an ``AsyncCollectiveTensor`` (e.g. a ``RowwiseParallel``
@@ -61,8 +62,23 @@ def local_shard(t: torch.Tensor) -> tuple[torch.Tensor, Placement | None]:
     """``(local tensor, placement)`` of a DTensor; ``(t, None)`` for any other tensor (an
     ``AsyncCollectiveTensor`` waited for). The local tensor is a view, not a copy."""
     if is_dtensor(t):
-        return _waited(t.to_local()), Placement.from_dict(dtensor_placement(t))
+        return _masked(_waited(t.to_local()), t.placements), Placement.from_dict(dtensor_placement(t))
     return _waited(t), None
+
+
+def _masked(local: torch.Tensor, placements: Sequence[Any]) -> torch.Tensor:
+    """The summand a masked partial stands for: a vocabulary-parallel embedding's (or gather's)
+    local result holds rows of token ids outside this rank's range until the reduction zeroes them
+    (``_MaskPartial``'s mask buffer); a copy with those rows zeroed, else ``local`` itself."""
+    for pl in placements:
+        mask = getattr(getattr(pl, "mask_buffer", None), "data", None)
+        if mask is not None:
+            local = local.detach().clone()
+            if local.dim() == mask.dim():
+                local[mask] = 0
+            else:
+                local[mask, :] = 0
+    return local
 
 
 def dtensor_placement(t: Any, group_names: Sequence[str] | None = None) -> dict[str, Any]:
