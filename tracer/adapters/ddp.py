@@ -153,10 +153,10 @@ class DDPTracer:
         """Record ``tensors_of(p)`` (phase -> tensor, None: not recorded) of every parameter, in
         the parameter's placement."""
         self.tracer.set_microbatch(0)  # per-step tensors, not of a microbatch
-        for local, p in self.params.items():
+        for local, (canon, p) in self.tracer.params.items():
             for phase, t in tensors_of(p).items():
                 if t is not None:
-                    self.tracer.record(local, t.detach(), phase, placement=self.param_placement(local),
+                    self.tracer.record(canon, t.detach(), phase, placement=self.param_placement(local),
                                        meta={"param": local})
 
     def after_backward(self) -> None:
