@@ -98,6 +98,21 @@ def test_a_valid_candidate_is_consistent(t):
     assert c.verdict == "consistent" and len(c.rows) == 4 and c.stripped_prefixes == {} and c.skipped == []
 
 
+def test_a_comparison_that_judged_no_tensor_is_unverified(t, tmp_path):
+    """Noise samples that traced none of the compared tensors leave every one unchecked: no verdict
+    of consistency over nothing (the summary and the CLI's exit 2 say why)."""
+    from tracer.cli import unverified_message
+    from tracer.report.summary import summary
+    ref = tmp_path / "ref"
+    _write(ref)
+    for i in range(2):  # samples of other tensors only
+        _write(ref / "noise" / f"sample_{i}", offset=1e-4, seed=i + 1, names=("elsewhere.output",))
+    c = compare(ref, t / "cand")
+    assert c.first is None and {str(r.status) for r in c.rows} == {"unchecked"}
+    assert c.nothing_judged and c.verdict == "unverified"
+    assert "no tensor could be judged" in summary(c) and "none of the 4" in unverified_message(c)
+
+
 def test_trace_errors_exit_with_code_2():
     assert TraceError("x").exit_code == 2 and UnmatchedRecordsError("x").exit_code == 2
 

@@ -60,6 +60,10 @@ def check_compare_inputs(args: argparse.Namespace) -> None:
 
 def unverified_message(c) -> str:
     """The one-line reason an ``unverified`` comparison exits :data:`EXIT_UNVERIFIED`."""
+    if c.nothing_judged:
+        return (f"unverified: none of the {len(c.rows)} compared tensor(s) could be judged (all unchecked: no noise "
+                "sample traced them, or a top-k choice changed upstream); re-record the reference's noise samples "
+                "with the same integration as the candidate")
     cov = c.coverage
     ops = ", ".join(f"{name} x{n}" for name, n in sorted(cov.unmodelled.items()))
     return (f"unverified: {cov.downstream} compared tensor(s) come after ops without an error model ({ops} "

@@ -118,8 +118,17 @@ class Comparison:
 
     @property
     def verdict(self) -> str:
-        """``DIVERGENT``, ``unverified`` (tensors depend on unmodelled ops) or ``consistent``."""
+        """``DIVERGENT``, ``unverified`` (tensors depend on unmodelled ops, or no tensor could be
+        judged at all: :attr:`nothing_judged`) or ``consistent``."""
+        if self.first is None and self.nothing_judged:
+            return "unverified"
         return coverage_verdict(self.first, self.coverage)
+
+    @property
+    def nothing_judged(self) -> bool:
+        """No compared tensor was found within its threshold (every one unchecked: no noise sample
+        traced it, or a top-k choice changed upstream): "consistent" would vouch for nothing."""
+        return not any(r.status == Status.OK for r in self.rows)
 
     @property
     def max_ratio_ok(self) -> float:

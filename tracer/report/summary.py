@@ -90,7 +90,9 @@ def summary(c: Comparison, top: int = 5) -> str:
     not_judged = [r for r in c.rows if str(r.status) in NOT_JUDGED]
     f = c.first
     if f is None:
-        if c.verdict == "unverified":
+        if c.nothing_judged:
+            lines.append(f"  no tensor could be judged: all {len(c.rows)} unchecked, so nothing is verified")
+        elif c.verdict == "unverified":
             lines.append(f"  no tensor over its threshold, but {counts.get(Status.UNMODELLED, 0)} tensor(s) come after "
                          "ops without an error model: not verified (accept the ops with --accept-unmodelled / "
                          "compare(accept_unmodelled=True), or model them)")
