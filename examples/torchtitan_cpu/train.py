@@ -61,9 +61,26 @@ def microbatch_backward(model: torch.nn.Module, loss: torch.Tensor, n: int) -> N
 
 
 def clip_gradients(model: torch.nn.Module) -> torch.Tensor:
-    """``clip_grad_norm_`` over the (DTensor) gradients; returns the total norm as a plain tensor."""
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM, foreach=True)
-    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    """``clip_grad_norm_`` over the (DTensor) gradients; returns the total norm as a plain tensor.
+
+    Gradients on different device meshes (a parameter that a tensor-parallel plan left out, sharded by
+    FSDP2 on the data-parallel mesh only, beside 2-D ones; DTensor cannot stack their norms) get
+    torchtitan's treatment of expert-parallel parameters: one norm per mesh, combined as plain tensors."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for p in params:
+        groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    if len(groups) <= 1:
+        norm = torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in ps], foreach=True) for ps in groups.values()]
+    norm = torch.linalg.vector_norm(torch.stack([n.full_tensor() if hasattr(n, "full_tensor") else n
+                                                 for n in norms]))
+    coef = min(1.0, MAX_NORM / (float(norm) + 1e-6))
+    with torch.no_grad():
+        for p in params:
+            p.grad.mul_(coef)
+    return norm
 
 
 class Run:
