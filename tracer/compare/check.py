@@ -65,6 +65,7 @@ from tracer.compare.decisions import TOPK_META, ChoiceChange
 from tracer.compare.deviation import DEVIATION_FIELD, SampleMoments, combined_moments
 from tracer.compare.judge import TensorCheck, check_routed, check_stats_only, downstream_of_choices
 from tracer.compare.localise import localise
+from tracer.compare.sign_flips import without_sign_flips
 from tracer.compare.thresholds import DEFAULT_FALSE_ALARM
 from tracer.errors import (
     EmptyTraceError,
@@ -79,7 +80,7 @@ from tracer.errors import (
     UnmatchedRecordsError,
 )
 from tracer.trace.canonical import AssemblyReport, assemble
-from tracer.trace.schema import CARRIED_PHASES, CHECKED_PHASES, PRE_UPDATE_PHASES, Entry, RecordKey, Status
+from tracer.trace.schema import CARRIED_PHASES, CHECKED_PHASES, PRE_UPDATE_PHASES, Entry, Phase, RecordKey, Status
 from tracer.trace.store import TraceReader, manifest_path
 
 __all__ = ["Comparison", "assembled_phases", "assembled_record", "assembled_records", "compare", "few_sources",
@@ -592,6 +593,7 @@ def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str
                               "list no entry): 'consistent' would mean nothing; check that the candidate's "
                               "integration traced (hooks attached, steps flushed) before comparing", path=cand.root)
     plan = []
+    indexes: dict[int, tuple[dict, dict]] = {}  # step -> (reference, candidate) records by key, matched
     stripped: dict[str, set[str]] = {}
     skipped: list[str] = []
     for s in wanted:
@@ -614,6 +616,7 @@ def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str
         for k in sorted(set(ref_idx) ^ set(cand_idx)):
             unmatched.append(f"step {s} {k}: only in the "
                              f"{'reference' if k in ref_idx else 'candidate'}")
+        indexes[s] = (ref_idx, cand_idx)
         for k, ents in ref_idx.items():
             if k in cand_idx:
                 plan.append((s, k, ents, cand_idx[k], [ni.get(k) for ni in noise_idx]))
@@ -637,10 +640,14 @@ def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str
             rows.append(check_stats_only(s, k, ref_e, ref_t, cand_entries, noisy, per_tensor, few_sources=cap))
         else:
             cand_t, notes = assembled_record(cand, s, cand_entries, k.name)
-            rows.append(downstream_of_choices(
-                check_routed(s, k, ref_e, ref_t, cand_t, notes, noisy, per_tensor, cand_entries, changed,
-                              block_scale, few_sources=cap),
-                ref_e.meta, changed))
+
+            def judge(c: torch.Tensor, s=s, k=k, ref_e=ref_e, ref_t=ref_t, notes=notes, noisy=noisy,
+                      cand_entries=cand_entries, cap=cap) -> TensorCheck:
+                return check_routed(s, k, ref_e, ref_t, c, notes, noisy, per_tensor, cand_entries, changed,
+                                    block_scale, few_sources=cap)
+            row = downstream_of_choices(judge(cand_t), ref_e.meta, changed)
+            rows.append(without_sign_flips(row, ref_t, cand_t, lambda s=s, k=k: _gradients(ref, cand, s, k.name,
+                                                                                           indexes[s]), judge))
         if bar is not None:
             bar.update(1)
     if bar is not None:
@@ -652,6 +659,17 @@ def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str
                       localise(rows, first), unmatched, len(noisy_readers), false_alarm, coverage,
                       {side: sorted(p) for side, p in stripped.items()}, skipped, ref.run.get("layout", {}),
                       ref.world_size)
+
+
+def _gradients(ref: TraceReader, cand: TraceReader, step: int, name: str, index: tuple[dict, dict]
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The reference's and the candidate's ``grad`` record of parameter ``name`` at ``step``
+    (:mod:`tracer.compare.sign_flips`), None where either did not trace it."""
+    key = RecordKey(Phase.GRAD, name, 0, 0)
+    ref_idx, cand_idx = index
+    if key not in ref_idx or key not in cand_idx:
+        return None
+    return _reference_record(ref, step, ref_idx[key])[0], assembled_record(cand, step, cand_idx[key], name)[0]
 
 
 def assembled_records(trace: str | Path, step: int, phase: str, microbatch: int, prefix: str
