@@ -166,3 +166,20 @@ def test_injector_models_follow_the_candidate_layout():
 def test_sequence_parallel_needs_a_tp_dimension():
     with pytest.raises(ValueError, match="sequence_parallel=True needs"):
         DTensorTracer(_Net(), None, sequence_parallel=True)
+
+
+def test_the_documented_integration_is_the_harness_s_and_at_most_ten_lines():
+    """docs/tracing-torchtitan.md's trace calls are the ones the harness's training step makes, and the
+    step needs at most 10 added lines (issue 32)."""
+    import inspect
+    import re
+    from pathlib import Path
+
+    from examples.torchtitan_cpu.train import Run
+    step_src = inspect.getsource(Run.train_step)
+    marked = [line for line in step_src.splitlines() if line.rstrip().endswith("# trace")]
+    assert 0 < len(marked) <= 10
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "tracing-torchtitan.md").read_text()
+    calls = lambda text: set(re.findall(r"\btr\.(\w+)\(", text))
+    doc_calls = calls("\n".join(line for line in doc.splitlines() if line.rstrip().endswith("# trace")))
+    assert doc_calls == calls("\n".join(marked)) and {"step", "microbatch", "after_backward"} <= doc_calls
