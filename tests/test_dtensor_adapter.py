@@ -183,3 +183,35 @@ def test_the_documented_integration_is_the_harness_s_and_at_most_ten_lines():
     calls = lambda text: set(re.findall(r"\btr\.(\w+)\(", text))
     doc_calls = calls("\n".join(line for line in doc.splitlines() if line.rstrip().endswith("# trace")))
     assert doc_calls == calls("\n".join(marked)) and {"step", "microbatch", "after_backward"} <= doc_calls
+
+
+def test_uneven_fsdp2_shards_with_an_empty_rank_are_stored_and_assembled(tmp_path):
+    """FSDP2 cuts a 5-row weight over 4 ranks with torch.chunk: 2, 2, 1 and 0 rows. Every rank's shard,
+    the empty one included, is written, read back and assembled into the full weight."""
+    from torch.distributed.tensor.placement_types import Shard
+
+    class Mesh1D:
+        mesh_dim_names = ("dp_shard",)
+
+        def __init__(self, r: int) -> None:
+            self.r = r
+
+        def size(self, i: int) -> int:
+            return 4
+
+        def get_coordinate(self) -> list[int]:
+            return [self.r]
+
+    full = torch.arange(15.0).reshape(5, 3)
+    pieces = full.chunk(4) + (full[5:],)  # torch.chunk gives 3 pieces; the 4th rank holds none
+    for r in range(4):
+        pl = dtensor_placement(SimpleNamespace(placements=(Shard(0),), device_mesh=Mesh1D(r), shape=full.shape))
+        w = TraceWriter(tmp_path, r, 4, {"dp": 4}, "uneven")
+        w.add("w", pieces[r].clone(), phase="param", step=0, placement=pl)
+        w.flush_step(0)
+        w.close()
+    reader = TraceReader(tmp_path)
+    shards = {r: reader.load(0, r, reader.entries(0, r)[0].key) for r in range(4)}
+    assert [tuple(t.shape) for t in shards.values()] == [(2, 3), (2, 3), (1, 3), (0, 3)]
+    got, _ = assemble(shards, {r: reader.entries(0, r)[0].placement for r in range(4)}, name="w")
+    assert torch.equal(got, full)
