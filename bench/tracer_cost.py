@@ -2,6 +2,7 @@
 
     python -m bench.tracer_cost [--quick] [--models demo,large] [--write docs/cost.md] [--out DIR] [--keep]
     python -m bench.tracer_cost --models xl --steps 3 --compare-reps 3 --profile-model xl --write docs/cost-xl.md
+    python -m bench.tracer_cost --titan [--steps 6] [--reps 3] [--write docs/cost.md]
 
 Measured by default on two models: the demo model (``examples.megatron_cpu.gpt.DEFAULT_MODEL``)
 and a larger one (hidden 256, 4 layers, ffn 1024, seq 128, vocab 1024); ``--models xl`` takes
@@ -29,6 +30,20 @@ params (the demo's dtype), global batch 4 (large, xl: 1) in micro batches of 1, 
    traced step (a noise sample re-runs the step under ``ttrace_num``'s noise injector, from
    a snapshot of the model and optimizer state).
 
+``--titan`` measures, instead of the above, the torchtitan-style harness (``examples/torchtitan_cpu``,
+:class:`tracer.adapters.dtensor.DTensorTracer`) on its FSDP2 x TP layout with sequence parallelism,
+``r1.s2.t2+sp`` (world 4), in ``--dtype``: the median step time untraced, traced in ``stats`` and
+in ``full`` mode (ratios to the untraced step; the first step of each run dropped as warm-up,
+the slowest rank per step, ``--reps`` runs per mode in rotated order, steps pooled) and the trace
+bytes per step and rank. Every mode runs the harness's own :meth:`Run.train_step
+<examples.torchtitan_cpu.train.Run.train_step>`: the untraced one with :class:`_Untraced`, an object
+with the tracer's methods that do nothing (no hooks registered, no writer), so that the step runs
+the same model, loss, backward, FSDP2 all-gathers and reduce-scatters, TP/SP collectives, gradient
+clipping (``clip_gradients`` is called for its result either way) and optimizer step, and differs
+from a traced one only by the tracer's hooks, copies, statistics and writes. With ``--write`` the
+section "FSDP2 x TP (torchtitan-style harness)" of that file is replaced (or appended); a full run
+with ``--write`` keeps that section of the file it overwrites.
+
 Timings are wall time on whatever the machine gives (the load average is printed): on a
 shared 2-core machine they move from run to run (the demo's untraced step took 95 ms in one
 run and 330 ms in another under a load average of ~50). They are taken on this machine's own
@@ -39,6 +54,7 @@ instead of 56 ms, which would flatter every ratio: stats-only 1.34x instead of 4
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import os
@@ -248,6 +264,158 @@ def profile_compare(ref: Path, cand: Path, steps: list[int]) -> tuple[float, lis
                     if ln.strip() and not ln.lstrip().startswith(("Ordered by", "List reduced")))
     return total, rows, top
 
+#: the torchtitan-style harness's FSDP2 x TP layout with sequence parallelism (``--titan``)
+TITAN_LAYOUT = "r1.s2.t2+sp"
+TITAN_MODES = ("untraced", "stats", "full")
+TITAN_SECTION = "## FSDP2 x TP (torchtitan-style harness)"
+
+
+class _Untraced:
+    """The tracer interface :meth:`Run.train_step <examples.torchtitan_cpu.train.Run.train_step>`
+    calls, doing nothing: the untraced baseline runs the harness's step itself, its arguments
+    (``clip_gradients(model)``) evaluated as in a traced step, with no hook on the model."""
+
+    @contextlib.contextmanager
+    def step(self, step: int, writer: Any = None):
+        yield self
+
+    def microbatch(self, i: int) -> None:
+        pass
+
+    def record_loss(self, loss: Any) -> None:
+        pass
+
+    def after_backward(self) -> None:
+        pass
+
+    def record_grad_norm(self, norm: Any) -> None:
+        pass
+
+    def after_optimizer_step(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _titan_worker(rank: int, world: int, jobs: list[dict]) -> list[dict]:
+    """Run every ``--titan`` job of one launch; return this rank's step times per job."""
+    import warnings
+    warnings.filterwarnings("ignore", category=UserWarning)
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    import gc
+    from examples.torchtitan_cpu.parallelize import Layout
+    from examples.torchtitan_cpu.run import signature
+    from examples.torchtitan_cpu.train import Run, tracer_for
+    from tracer.trace.store import TraceWriter
+    out = []
+    for j in jobs:
+        # no released_groups() here: with the groups of the first job destroyed, the second job's
+        # mesh (equal to the first's: the same sizes and names) failed in a TP redistribute with
+        # "Could not resolve the process group registered under the name 4" (a cache keyed by mesh
+        # equality); the groups of a launch's few jobs stay alive instead (same ranks, same collectives)
+        layout = Layout.parse(j["layout"])
+        t = time.perf_counter()
+        run = Run(layout, j["dtype"], seed=SEED)
+        build_s = time.perf_counter() - t
+        if j["mode"] == "untraced":
+            tr: Any = _Untraced()
+        else:
+            writer = TraceWriter(j["root"], run.mesh.get_rank(), layout.world,
+                                 {"layout": layout.name, "dtype": j["dtype"]},
+                                 signature(layout, j["dtype"], SEED), mode=j["mode"])
+            tr = tracer_for(run, writer)
+        step_s = []
+        try:
+            for step in range(j["steps"]):
+                t = time.perf_counter()
+                run.train_step(step, tr)
+                step_s.append(time.perf_counter() - t)
+        finally:
+            tr.close()
+        del run, tr
+        gc.collect()
+        out.append({"step_s": step_s, "build_s": build_s})
+        if rank == 0:
+            print(f"    [world {world}] titan {j['label']:12s} steps "
+                  f"{' '.join(f'{s:.3f}' for s in step_s)} s", flush=True)
+    return out
+
+
+def _titan_section(a: argparse.Namespace, steps: int, reps: int, out: Path) -> str:
+    """Measure the ``--titan`` rows (module docstring); return their markdown section."""
+    from examples.torchtitan_cpu.parallelize import Layout
+    world = Layout.parse(TITAN_LAYOUT).world
+    jobs = []
+    for rep in range(reps):
+        for i in range(len(TITAN_MODES)):
+            mode = TITAN_MODES[(i + rep) % len(TITAN_MODES)]
+            jobs.append({"model": "titan", "mode": mode, "rep": rep, "label": f"{mode} r{rep}",
+                         "layout": TITAN_LAYOUT, "steps": steps, "dtype": a.dtype,
+                         "root": str(out / "titan" / f"{mode}_r{rep}")})
+    load0 = os.getloadavg()
+    t0 = time.perf_counter()
+    print(f"tracer cost, torchtitan-style harness {TITAN_LAYOUT} (world {world}), {a.dtype}: {steps} steps per run "
+          f"(first = warm-up), {reps} rep(s) per mode; traces in {out}; load average {load0[0]:.2f}", flush=True)
+    per_rank = run_gloo(_titan_worker, world, jobs, timeout_s=3600.0)
+    wall = time.perf_counter() - t0
+    load1 = os.getloadavg()
+    times = {mode: _measured(jobs, per_rank, "titan", mode) for mode in TITAN_MODES}
+    med = {mode: _median(ts) for mode, ts in times.items()}
+    base = med["untraced"]
+    n = len(times["untraced"])
+    by_rank = {mode: [trace_bytes(out / "titan" / f"{mode}_r0", r)[0] for r in range(world)]
+               for mode in ("stats", "full")}
+    cmd = (f"python -m bench.tracer_cost --titan --steps {steps} --reps {reps}"
+           + (f" --dtype {a.dtype}" if a.dtype != "bf16" else "") + (f" --write {a.write}" if a.write else ""))
+    from examples.torchtitan_cpu.model import ModelArgs
+    from examples.torchtitan_cpu.train import GLOBAL_MICROBATCHES, MICRO_BATCH
+    args = ModelArgs()
+    lay = f"{TITAN_LAYOUT} (world {world})"
+    md = [TITAN_SECTION + "\n",
+          (f"Produced by `{cmd}` ({wall:.0f} s; load average {load0[0]:.2f} at the start, {load1[0]:.2f} at the end, "
+           f"{os.cpu_count()} cores shared with other jobs, which may have been running; {world} gloo ranks of one "
+           f"thread each on them; this machine's own CPU kernels ({_kernels()})). The harness's model "
+           f"(`examples/torchtitan_cpu/model.py` defaults: dim {args.dim}, {args.n_layers} layers, {args.n_heads} "
+           f"heads ({args.n_kv_heads} kv), vocab {args.vocab_size}, seq {args.max_seq_len}), global batch "
+           f"{GLOBAL_MICROBATCHES} microbatches of {MICRO_BATCH} sequences, {a.dtype} FSDP2 (fp32 reduce) x TP=2 "
+           f"with sequence parallelism, AdamW, the `DTensorTracer`'s default captures (`tracer_for`). {steps} steps "
+           f"per run, the first dropped as warm-up; {reps} run(s) per mode in rotated order, steps pooled (n = "
+           f"measured steps per mode); the slowest rank per step. The untraced step is the harness's own "
+           f"`Run.train_step` given a tracer whose methods do nothing (`bench.tracer_cost._Untraced`: the same ops "
+           f"and collectives, no hooks; docstring).\n"),
+          _table(["layout", "untraced ms", "stats ms", "full ms", "stats / untraced", "full / untraced", "n"],
+                 [[lay, f"{base * 1e3:.0f}", f"{med['stats'] * 1e3:.0f}", f"{med['full'] * 1e3:.0f}",
+                   f"**{med['stats'] / base:.2f}x**", f"**{med['full'] / base:.2f}x**", str(n)]]),
+          f"\nTrace bytes per step and rank (MB; ranks 0 / 1 / ... / {world - 1}):\n",
+          _table(["layout", "mode", "MB per step per rank"],
+                 [[lay, mode, " / ".join(f"{b / 1e6:.3f}" for b in by_rank[mode])] for mode in ("stats", "full")])]
+    return "\n".join(md) + "\n"
+
+
+def _replace_section(text: str, heading: str, section: str) -> str:
+    """``text`` with its ``heading`` section (up to the next ``## `` heading) replaced by ``section``,
+    or ``section`` appended."""
+    lines = text.splitlines(keepends=True)
+    start = next((i for i, ln in enumerate(lines) if ln.rstrip() == heading), None)
+    if start is None:
+        return text.rstrip("\n") + "\n\n" + section
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    rest = "".join(lines[end:])
+    return "".join(lines[:start]) + section + ("\n" + rest if rest else "")
+
+
+def _kept_section(path: Path, heading: str) -> str:
+    """The ``heading`` section of the file at ``path`` (empty if none)."""
+    if not path.exists():
+        return ""
+    lines = path.read_text().splitlines(keepends=True)
+    start = next((i for i, ln in enumerate(lines) if ln.rstrip() == heading), None)
+    if start is None:
+        return ""
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), len(lines))
+    return "".join(lines[start:end])
+
 
 def _median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
@@ -274,7 +442,27 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"comma-separated models to measure, of {', '.join(MODELS)} (default demo,large)")
     ap.add_argument("--profile-model", default="demo", choices=sorted(MODELS),
                     help="model whose comparison is profiled (default demo: the large one takes minutes)")
+    ap.add_argument("--titan", action="store_true",
+                    help=f"measure only the torchtitan-style harness on {TITAN_LAYOUT} (untraced, stats, full; "
+                         f"--steps default 6, --reps default 3); --write replaces the section {TITAN_SECTION!r}")
     a = ap.parse_args(argv)
+    if a.titan:
+        steps, reps = a.steps or 6, a.reps or 3
+        if steps < 2:
+            ap.error("--steps must be >= 2 (the first step is a warm-up)")
+        out = a.out or Path(tempfile.mkdtemp(prefix="ttrace_cost_"))
+        shutil.rmtree(out, ignore_errors=True)
+        out.mkdir(parents=True)
+        section = _titan_section(a, steps, reps, out)
+        print("\n" + section)
+        if a.write:
+            a.write.parent.mkdir(parents=True, exist_ok=True)
+            old = a.write.read_text() if a.write.exists() else ""
+            a.write.write_text(_replace_section(old, TITAN_SECTION, section) if old else section)
+            print(f"wrote {a.write}")
+        if not a.keep and a.out is None:
+            shutil.rmtree(out, ignore_errors=True)
+        return 0
     steps = a.steps or (3 if a.quick else 4)
     reps = a.reps or (1 if a.quick else 2)
     S = a.noise_samples if a.noise_samples is not None else (2 if a.quick else 4)
@@ -445,7 +633,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n" + text)
     if a.write:
         a.write.parent.mkdir(parents=True, exist_ok=True)
-        a.write.write_text(text)
+        kept = _kept_section(a.write, TITAN_SECTION)  # measured by --titan, not by this run
+        a.write.write_text(text + ("\n" + kept if kept else ""))
         print(f"wrote {a.write}")
     if not a.keep and a.out is None:
         shutil.rmtree(out, ignore_errors=True)
