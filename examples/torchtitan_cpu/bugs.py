@@ -84,22 +84,6 @@ def _not_regathered(run):
 
 # --- tensor and sequence parallelism (DTensor plan) -----------------------------------------------
 
-@bug("sp_ffn_norm_not_sequence_parallel", catalogue="B23/B04", bug_class="collective missing (norm grad over tp)",
-     needs={"layout": "r1.s1.t2+sp"}, expected_phase="grad_local", expected_name="layers.1.ffn_norm.weight",
-     doc="the tensor-parallel plan leaves ffn_norm out of SequenceParallel: the norm runs on each rank's "
-         "sequence shard with a plain (not tp-replicated DTensor) weight, so its weight gradient is the "
-         "rank's partial sum over its own tokens and is never all-reduced over tp. The forward is right; "
-         "the first wrong tensor is the last block's ffn_norm weight gradient in the backward")
-def _norm_not_sp(run):
-    orig = parallelize.tp_plan
-
-    def plan(layout):
-        top, block = orig(layout)
-        block.pop("ffn_norm", None)
-        return top, block
-    return replace(parallelize, "tp_plan", plan)
-
-
 @bug("rowwise_partial_output_as_replicate", catalogue="B17", bug_class="collective missing (pending sum)",
      needs={"layout": "r1.s1.t2"}, expected_phase="fwd", expected_name="layers.0.ffn_norm.input",
      doc="attention.wo's RowwiseParallel declares output_layouts=Partial(): its output keeps the pending "
@@ -120,12 +104,17 @@ def _partial_as_replicate(run):
 
 
 @bug("sp_rope_rank_offset", catalogue="B29", bug_class="layout/indexing (wrong offset)",
-     needs={"layout": "r1.s2.t2+sp"}, expected_phase="fwd", expected_name="layers.0.attention.wo.input",
+     needs={"layout": "r1.s2.t2+sp"}, expected_phase="bwd", expected_name="layers.1.attention.w[qk].output_grad",
      doc="under sequence parallelism RoPE is given a rank-dependent position offset tp_rank * local_seq "
          "(as if the rank still held its sequence shard), although attention runs on the all-gathered "
          "sequence: tp rank 1's heads rotate position p by angle (p + seq/2) mod seq, which changes the "
-         "relative positions of pairs across the wrap. q/k/v projections are right; the attention "
-         "output entering wo (head-sharded, rank 1's heads wrong) is the first wrong tensor")
+         "relative positions of pairs across the wrap. Declared first as fwd layers.0.attention.wo.input "
+         "(the attention output); found in the backward, and the mechanism says why: at initialisation "
+         "(weights std 0.02) the logits q.k/sqrt(d) are ~1e-3, the softmax is almost uniform and the "
+         "attention output barely depends on the rotation angles (its error stays under the bf16 "
+         "threshold), while dL/dq and dL/dk are rotated back by the wrong angles linearly: the first "
+         "wrong tensor is the gradient at the q/k projection outputs of the last block, where the "
+         "backward starts")
 def _rope_offset(run):
     offset = run.tp_rank * (run.args.max_seq_len // max(run.layout.tp, 1))
 
@@ -135,6 +124,16 @@ def _rope_offset(run):
         s = sin[pos].to(x.dtype)[None, :, None, :]
         return x * c + titan_model.rotate_half(x) * s
     return replace(titan_model, "apply_rotary_emb", apply_rotary_emb)
+
+
+@bug("microbatch_loss_not_divided", catalogue="B21", bug_class="wrong scale factor",
+     needs={"layout": "r1.s2.t1+ac"}, expected_phase="bwd", expected_name="output*_grad",
+     doc="each microbatch's loss is back-propagated without dividing by the rank's number of "
+         "microbatches (2 here): the gradient of the step is the sum, not the mean, over the rank's "
+         "microbatches, so every activation gradient, starting at the logits' (the first backward "
+         "record), is 2 times too large (with activation checkpointing of every block)")
+def _loss_not_divided(run):
+    return replace(train, "microbatch_backward", lambda model, loss, n: loss.backward())
 
 
 # --- optimizer step ---------------------------------------------------------------------------------

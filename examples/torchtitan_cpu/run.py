@@ -12,7 +12,10 @@ A job is a dict ``{"layout": "r1.s2.t2+sp", "dtype": "bf16", "seed": 0, "steps":
 ``Layout.parse(layout).world`` equal to the launch's world size. A job with ``noise_samples > 0``
 is a reference: its steps run through :class:`tracer.capture.noise_sampler.NoiseSampler` with
 :func:`reference_noise`, modelling candidates with up to ``noise_tp`` tensor-parallel and
-``noise_dp`` data-parallel ranks. Each job returns ``{"root", "losses", "wall_s"}``.
+``noise_dp`` data-parallel ranks. A reference of several ranks (a distributed reference,
+docs/distributed-reference.md: FSDP2 over 2 ranks as the reference of FSDP2 x TP) takes its samples
+on every rank in lockstep, and its noise models its own split as well as the candidates'. Each job
+returns ``{"root", "losses", "wall_s"}``.
 """
 from __future__ import annotations
 
@@ -22,6 +25,8 @@ import time
 from functools import partial
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from examples.gloo import released_groups
 from examples.torchtitan_cpu.parallelize import Layout
@@ -46,18 +51,52 @@ def signature(layout: Layout, dtype: str, seed: int) -> str:
     return f"torchtitan_cpu Llama, {layout.reference().name}, {dtype}, seed {seed}, AdamW"
 
 
-def reference_noise(tp: int, dp: int, dtype: str) -> dict[str, Any]:
+def reference_noise(tp: int, dp: int, dtype: str, reference: Layout | None = None) -> dict[str, Any]:
     """:class:`~tracer.capture.noise_sampler.NoiseSampler` keywords for a reference of candidates with
     up to ``tp`` tensor-parallel and ``dp`` data-parallel ranks (:func:`tracer.adapters.dtensor.injector_models`:
-    GEMMs split over ``tp``, parameter gradients summed over ``dp`` in FSDP2's fp32 reduce dtype)."""
+    GEMMs split over ``tp``, parameter gradients summed over ``dp`` in FSDP2's fp32 reduce dtype).
+
+    ``reference``: the reference's own layout, when it has several ranks (a distributed reference).
+    Its data-parallel reduction (FSDP2's reduce-scatter, fp32 under the harness's
+    ``MixedPrecisionPolicy``, as the candidates') needs no model of its own; a tensor-parallel
+    split of its own is modelled as the reference's side of the noise
+    (:func:`tracer.adapters.megatron.injector_models`, ``reference_split``). Sequence parallelism in
+    the reference splits its norm-weight gradient sums over tokens, which the models do not
+    know: refused (docs/distributed-reference.md, "When it is sound")."""
     from tracer.adapters.dtensor import injector_models
     layout = {"mesh": {"tp": tp}, "dp": dp, "mixed_precision": {"reduce_dtype": "fp32"}}
-    return {"injector_kwargs": {**injector_models(layout, dtype), "accepted": dict(TITAN_ACCEPTED)}}
+    kw = injector_models(layout, dtype)
+    if reference is not None and reference.sp:
+        raise ValueError(f"a reference with sequence parallelism ({reference.name}) is not modelled: its norm-weight "
+                         "gradient sums are split over tokens; use a reference without sp")
+    if reference is not None and reference.tp > 1:
+        from tracer.adapters.megatron import injector_models as split_models
+        own = split_models(tp, dtype, reference_split=reference.tp)
+        kw.update(policy=own["policy"], reference_model=own["reference_model"])
+    return {"injector_kwargs": {**kw, "accepted": dict(TITAN_ACCEPTED)}}
+
+
+def clear_dtensor_caches() -> None:
+    """Forget DTensor's cached sharding propagations. A cached output spec holds the device mesh of the
+    job that computed it, and meshes of equal shape compare equal: without this, a later job of the same
+    launch (whose groups :func:`~examples.gloo.released_groups` destroyed and re-created under other
+    names) gets the old mesh, e.g. in ``clip_grad_norm_``'s all-reduce on a 2-D mesh ("Could not resolve
+    the process group registered under the name 3")."""
+    from torch.distributed.tensor import DTensor
+    prop = DTensor._op_dispatcher.sharding_propagator
+    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
+        fn = getattr(prop, name, None)
+        if hasattr(fn, "cache_clear"):
+            fn.cache_clear()
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's
+    if clear_native is not None:
+        clear_native()
 
 
 def trace_job(job: dict[str, Any]) -> dict[str, Any]:
     """Run and trace one job on this rank (see the module docstring)."""
     t0 = time.perf_counter()
+    clear_dtensor_caches()
     with released_groups():
         layout = Layout.parse(job["layout"])
         seed = int(job.get("seed", 0))
@@ -74,9 +113,9 @@ def trace_job(job: dict[str, Any]) -> dict[str, Any]:
             if samples:
                 sampler = NoiseSampler(run.model, run.opt, job["root"], layout={"layout": layout.name,
                                                                                  "dtype": job["dtype"]},
-                                       signature=sig, samples=samples, seed=seed,
+                                       signature=sig, samples=samples, seed=seed, rank=rank, world_size=layout.world,
                                        **reference_noise(int(job.get("noise_tp", 1)), int(job.get("noise_dp", 1)),
-                                                         job["dtype"]))
+                                                         job["dtype"], layout if layout.world > 1 else None))
             for step in range(int(job["steps"])):
                 if sampler:
                     losses.append(sampler.step(step, partial(run.train_step, step, tr)))
