@@ -67,7 +67,25 @@ def released_groups() -> Iterator[None]:
     finally:
         for pg in [g for g in pg_map if g not in before]:
             dist.destroy_process_group(pg)
+        _clear_dtensor_caches()
         gc.collect()
+
+
+def _clear_dtensor_caches() -> None:
+    """Forget DTensor's cached sharding decisions: they hold the device meshes they were computed
+    on, and a later job's mesh of the same shape is *equal* to an earlier one (meshes compare by
+    their layout), so the cache would hand it the earlier mesh, whose process groups were just
+    destroyed ("Could not resolve the process group registered under the name 3", seen on the
+    second FSDP2 x TP job of one launch)."""
+    try:
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor._redistribute import _gen_transform_infos
+    except ImportError:  # a torch without DTensor: nothing cached
+        return
+    prop = DTensor._op_dispatcher.sharding_propagator
+    for cache in (prop.propagate_op_sharding, getattr(prop, "_propagate_tensor_meta_cached", None), _gen_transform_infos):
+        if cache is not None and hasattr(cache, "cache_clear"):
+            cache.cache_clear()
 
 
 def free_port() -> int:
