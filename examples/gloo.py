@@ -86,6 +86,9 @@ def _clear_dtensor_caches() -> None:
     for cache in (prop.propagate_op_sharding, getattr(prop, "_propagate_tensor_meta_cached", None), _gen_transform_infos):
         if cache is not None and hasattr(cache, "cache_clear"):
             cache.cache_clear()
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's
+    if clear_native is not None:
+        clear_native()
 
 
 def free_port() -> int:
