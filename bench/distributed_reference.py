@@ -48,7 +48,8 @@ from typing import Any
 
 from bench.detection import _fmt_ratio, _log, write_page
 
-__all__ = ["HARNESSES", "PAIRS", "Harness", "Pair", "megatron_layout", "megatron_trace_job", "run_pairs"]
+__all__ = ["HARNESSES", "PAIRS", "Harness", "Pair", "megatron_layout", "megatron_trace_job", "run_pairs",
+           "titan_trace_job"]
 
 LAUNCH_TIMEOUT_S = 3600
 
@@ -83,6 +84,19 @@ def megatron_trace_job(job: dict[str, Any]) -> dict[str, Any]:
     return _trace_worker(dist.get_rank(), dist.get_world_size(), [spec])[0]
 
 
+def titan_trace_job(job: dict[str, Any]) -> dict[str, Any]:
+    """The torchtitan-style harness's trace job (:func:`examples.torchtitan_cpu.run.trace_job`) for a
+    job dict of this module: ``noise_split`` is the candidates' largest TP (``noise_tp``), ``noise_dp``
+    their largest data-parallel size; a reference job models its own layout's split as well."""
+    from examples.torchtitan_cpu.run import trace_job
+    return trace_job({**job, "noise_tp": int(job.get("noise_split", 1)), "noise_dp": int(job.get("noise_dp", 1))})
+
+
+def _titan_world(layout: str) -> int:
+    from examples.torchtitan_cpu.parallelize import Layout
+    return Layout.parse(layout).world
+
+
 @dataclass(frozen=True)
 class Harness:
     """How to run one harness's jobs (module doc, "Adding a pair")."""
@@ -102,6 +116,7 @@ HARNESSES: dict[str, Harness] = {
                         lambda lay: math.prod(megatron_layout(lay)[k] for k in ("tp", "pp", "dp")),
                         "examples.megatron_cpu.bugs:BUGS"),
     "torch": Harness("examples.torch_parallel.run:trace_job", _torch_world, "examples.torch_parallel.bugs:BUGS"),
+    "titan": Harness("bench.distributed_reference:titan_trace_job", _titan_world, "examples.torchtitan_cpu.bugs:BUGS"),
 }
 
 
@@ -116,10 +131,17 @@ class Pair:
     noise_split: int                   # the candidates' largest split, modelled by the reference's samples
     bugs: tuple[str, ...] = ()
     bug_layout: str | None = None
+    #: per bug, a candidate other than ``bug_layout`` to inject it into (e.g. the layout its registry names)
+    bug_layouts: tuple[tuple[str, str], ...] = ()
+    noise_dp: int = 1                  # the candidates' largest data-parallel size (harnesses that model it)
     dtypes: tuple[str, ...] = ("bf16", "fp32")
     bug_dtype: str = "bf16"
     noise_samples: int = 4
     steps: int = 2
+
+    def layout_of(self, bug: str) -> str:
+        """The candidate layout ``bug`` is injected into."""
+        return dict(self.bug_layouts).get(bug) or self.bug_layout or self.candidates[0]
 
 
 PAIRS: dict[str, Pair] = {
@@ -128,6 +150,16 @@ PAIRS: dict[str, Pair] = {
         harness="megatron", reference="tp2", candidates=("tp4.sp", "tp4"), noise_split=4,
         bugs=("sp_norm_grad_not_reduced", "vocab_ce_local_denominator", "sp_allgather_reversed",
               "grad_norm_undercounts_tp_shards"), bug_layout="tp4.sp"),
+    # PyTorch-native (torchtitan-style harness): FSDP2 over 2 ranks as the reference of FSDP2 x TP
+    # with sequence parallelism (2 x 2) and of HSDP (2 replicas x 2 shards); each bug on the candidate
+    # its registry names (needs["layout"]) where that is one of them, else on one with the parallel
+    # dimensions it needs
+    "titan-fsdp2-vs-fsdp2xtp2": Pair(
+        harness="titan", reference="r1.s2.t1", candidates=("r1.s2.t2+sp", "r2.s2.t1"), noise_split=2, noise_dp=4,
+        bugs=("sp_rope_rank_offset", "hsdp_divide_factor_shard_only", "clip_grad_norm_local_shards",
+              "fsdp_avg_reduces_as_sum"),
+        bug_layout="r1.s2.t2+sp", bug_layouts=(("hsdp_divide_factor_shard_only", "r2.s2.t1"),
+                                               ("fsdp_avg_reduces_as_sum", "r2.s2.t1"))),
 }
 
 
@@ -162,7 +194,8 @@ class Run:
     def job(self, p: Pair) -> dict[str, Any]:
         return {"harness": p.harness, "layout": self.layout, "dtype": self.dtype, "seed": self.seed,
                 "steps": p.steps, "root": self.root, "bug": self.bug,
-                "noise_samples": p.noise_samples if self.kind == "ref" else 0, "noise_split": p.noise_split}
+                "noise_samples": p.noise_samples if self.kind == "ref" else 0, "noise_split": p.noise_split,
+                "noise_dp": p.noise_dp}
 
 
 def plan(names: list[str], seeds: list[int], out: Path) -> list[Run]:
@@ -177,7 +210,7 @@ def plan(names: list[str], seeds: list[int], out: Path) -> list[Run]:
                 runs.append(Run(name, "ref", p.reference, dtype, seed, ref))
                 runs += [Run(name, "clean", c, dtype, seed, str(out / name / f"cand_{c}_{dtype}_s{seed}"))
                          for c in p.candidates]
-        runs += [Run(name, "bug", p.bug_layout or p.candidates[0], p.bug_dtype, seeds[0],
+        runs += [Run(name, "bug", p.layout_of(b), p.bug_dtype, seeds[0],
                      str(out / name / f"bug_{b}_{p.bug_dtype}_s{seeds[0]}"), b) for b in p.bugs]
     return runs
 

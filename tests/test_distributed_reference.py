@@ -189,3 +189,49 @@ def test_the_noise_of_a_tp2_reference_models_its_own_split_and_the_candidates():
         kw = {k: v for k, v in kw.items() if k != "accepted"}
         amp[ref_tp] = NoiseInjector(torch.Generator(), **kw)._variance_amplitude(q, c, 256, q.shape)
     assert bool((amp[2] >= amp[1]).all()) and bool((amp[2] > amp[1]).any())
+
+
+# --- the PyTorch-native pair (torchtitan-style harness): registered and well-formed, no launch -------
+
+def test_the_pytorch_native_pair_is_registered_and_well_formed():
+    """FSDP2 over 2 ranks as the reference of FSDP2 x TP+SP and of HSDP (bench/distributed_reference.py):
+    the reference has no TP or SP of its own (the code paths under test), the candidates are of one
+    model, and every bug is injected into a candidate with the parallel dimensions its registry needs."""
+    from bench.distributed_reference import HARNESSES, PAIRS, plan
+    from examples.torchtitan_cpu.bugs import BUGS
+    from examples.torchtitan_cpu.parallelize import Layout
+    p = PAIRS["titan-fsdp2-vs-fsdp2xtp2"]
+    h = HARNESSES[p.harness]
+    ref = Layout.parse(p.reference)
+    assert (ref.tp, ref.sp, ref.dp, h.world(p.reference)) == (1, False, 2, 2)
+    cands = [Layout.parse(c) for c in p.candidates]
+    assert any(c.tp == 2 and c.sp and c.dp_shard == 2 for c in cands)
+    assert any(c.dp_replicate == 2 or c.dp_shard == 4 for c in cands)
+    assert p.noise_split == max(c.tp for c in cands) and p.noise_dp == max(c.dp for c in cands)
+    assert all(c.reference() == ref.reference() for c in cands)  # one model
+    assert len(p.bugs) >= 3
+    for name in p.bugs:
+        lay, needs = Layout.parse(p.layout_of(name)), Layout.parse(BUGS[name].needs["layout"])
+        assert p.layout_of(name) in p.candidates
+        assert (lay.tp > 1) >= (needs.tp > 1) and lay.sp >= needs.sp and lay.dp_replicate >= needs.dp_replicate
+        assert (lay.dp > 1) >= (needs.dp > 1)
+    runs = plan(["titan-fsdp2-vs-fsdp2xtp2"], [0], Path("/nonexistent"))
+    jobs = [r.job(p) for r in runs]
+    assert all(j["noise_samples"] == (p.noise_samples if r.kind == "ref" else 0) for r, j in zip(runs, jobs))
+    assert {r.layout for r in runs if r.kind == "bug"} <= set(p.candidates)
+
+
+def test_the_noise_of_an_fsdp2_reference_models_the_candidates_split_only():
+    """An FSDP2-only reference has no TP split of its own (its reduce-scatter is fp32, as the
+    candidates'): its noise is the single-process reference's; a TP reference models its own split,
+    a sequence-parallel one is refused."""
+    from examples.torchtitan_cpu.parallelize import Layout
+    from examples.torchtitan_cpu.run import reference_noise
+    single = reference_noise(2, 4, "bf16")["injector_kwargs"]
+    fsdp = reference_noise(2, 4, "bf16", Layout.parse("r1.s2.t1"))["injector_kwargs"]
+    assert fsdp.keys() == single.keys() and "reference_model" not in fsdp
+    assert fsdp["grad_summation"] == single["grad_summation"] and fsdp["variance_model"] == single["variance_model"]
+    tp = reference_noise(4, 2, "bf16", Layout.parse("r1.s1.t2"))["injector_kwargs"]
+    assert tp["reference_model"].split == 2
+    with pytest.raises(ValueError, match="sequence parallelism"):
+        reference_noise(4, 2, "bf16", Layout.parse("r1.s1.t2+sp"))

@@ -113,7 +113,7 @@ def trace_job(job: dict[str, Any]) -> dict[str, Any]:
             if samples:
                 sampler = NoiseSampler(run.model, run.opt, job["root"], layout={"layout": layout.name,
                                                                                  "dtype": job["dtype"]},
-                                       signature=sig, samples=samples, seed=seed, rank=rank, world_size=layout.world,
+                                       signature=sig, samples=samples, seed=seed, clean_writer=writer,
                                        **reference_noise(int(job.get("noise_tp", 1)), int(job.get("noise_dp", 1)),
                                                          job["dtype"], layout if layout.world > 1 else None))
             for step in range(int(job["steps"])):
