@@ -32,8 +32,9 @@ bug = BUGS.bug
 # --- gradient reduction and accumulation (FSDP2 / HSDP) -------------------------------------------
 
 @bug("fsdp_grad_accum_doubled", catalogue="B24", bug_class="wrong accumulation (stale buffer)",
-     needs={"layout": "r1.s1.t2"}, expected_phase="grad", expected_name="tok_embeddings.weight",
-     doc="the gradient accumulation buffer is doubled before every microbatch's gradient is added "
+     needs={"layout": "r1.s1.t2+sp"}, expected_phase="grad", expected_name="tok_embeddings.weight",
+     doc="(moved from r1.s1.t2, whose norm weights the tracer cannot assemble: FSDP2 DTensors on the dp-only "
+         "mesh carry no tp placement) the gradient accumulation buffer is doubled before every microbatch's gradient is added "
          "(buf_k = 2 buf_{k-1} + g_k, as when the accumulate reads the buffer it is writing: FSDP2 over a "
          "data-parallel group of size 1, where the reduce-scatter is a copy): over the 4 microbatches "
          "of a step the gradient is 8 g_0 + 4 g_1 + 2 g_2 + g_3 instead of their sum. Each microbatch's "
@@ -84,25 +85,6 @@ def _not_regathered(run):
 
 # --- tensor and sequence parallelism (DTensor plan) -----------------------------------------------
 
-@bug("rowwise_partial_output_as_replicate", catalogue="B17", bug_class="collective missing (pending sum)",
-     needs={"layout": "r1.s1.t2"}, expected_phase="fwd", expected_name="layers.0.ffn_norm.input",
-     doc="attention.wo's RowwiseParallel declares output_layouts=Partial(): its output keeps the pending "
-         "sum over tp and use_local_output hands each rank its own partial product, which the residual "
-         "add then uses as if it were replicated. The tracer records wo's (and the attention module's) "
-         "output with the Partial placement its DTensor had, so those sum correctly; the first wrong "
-         "tensor is the residual stream h = x + attention(...) that enters ffn_norm")
-def _partial_as_replicate(run):
-    orig = parallelize.tp_plan
-
-    def plan(layout):
-        from torch.distributed.tensor import Partial
-        from torch.distributed.tensor.parallel import RowwiseParallel
-        top, block = orig(layout)
-        block["attention.wo"] = RowwiseParallel(output_layouts=Partial())
-        return top, block
-    return replace(parallelize, "tp_plan", plan)
-
-
 @bug("sp_rope_rank_offset", catalogue="B29", bug_class="layout/indexing (wrong offset)",
      needs={"layout": "r1.s2.t2+sp"}, expected_phase="bwd", expected_name="layers.1.attention.w[qk].output_grad",
      doc="under sequence parallelism RoPE is given a rank-dependent position offset tp_rank * local_seq "
@@ -134,6 +116,22 @@ def _rope_offset(run):
          "record), is 2 times too large (with activation checkpointing of every block)")
 def _loss_not_divided(run):
     return replace(train, "microbatch_backward", lambda model, loss, n: loss.backward())
+
+
+@bug("tied_output_untied_before_sharding", catalogue="B07/B08", bug_class="lost gradient contribution (tied weights)",
+     needs={"layout": "r1.s2.t1+tied"}, expected_phase="grad_local", expected_name="tok_embeddings.weight",
+     doc="the output projection is untied from the embedding before FSDP2 shards the model (a copy made "
+         "while wrapping): both start equal, but the embedding's gradient no longer receives the output "
+         "projection's term and the output weight is trained on its own. Activations and their gradients "
+         "of step 0 are right (the candidate's extra output.weight has no reference record); the first "
+         "wrong tensor is the embedding's unsharded gradient")
+def _untied(run):
+    orig = train.parallelize
+
+    def untie_then_parallelize(model, *args, **kwargs):
+        model.output.weight = torch.nn.Parameter(model.tok_embeddings.weight.detach().clone())
+        return orig(model, *args, **kwargs)
+    return replace(train, "parallelize", untie_then_parallelize)
 
 
 # --- optimizer step ---------------------------------------------------------------------------------
