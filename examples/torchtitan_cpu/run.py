@@ -44,6 +44,12 @@ _CLIP = ("clip_grad_norm_ over FSDP2's DTensor gradients (train.clip_gradients):
 TITAN_ACCEPTED: dict[str, str] = {f"DTensor {name}": _CLIP for name in (
     "torch._foreach_norm", "torch.linalg.vector_norm", "torch.stack", "torch.Tensor.add", "torch.Tensor.__rtruediv__",
     "torch._foreach_mul_", "torch.Tensor.clamp")}
+_COPY_IN = ("FSDP2's all-gather over more than one rank (a distributed reference, docs/distributed-reference.md): "
+            "the copy of each rank's parameter shards into the all-gather buffer, cast elementwise to "
+            "MixedPrecisionPolicy's param dtype, and of the gathered buffer out into the unsharded parameters; "
+            "a copy and a deterministic cast, the same code on the same values in every layout (the noise "
+            "samples' perturbed parameters are cast by it as they are)")
+TITAN_ACCEPTED.update({"fsdp.all_gather_copy_in": _COPY_IN, "torch._foreach_copy_": _COPY_IN})
 
 
 def signature(layout: Layout, dtype: str, seed: int) -> str:
