@@ -215,3 +215,35 @@ def test_uneven_fsdp2_shards_with_an_empty_rank_are_stored_and_assembled(tmp_pat
     assert [tuple(t.shape) for t in shards.values()] == [(2, 3), (2, 3), (1, 3), (0, 3)]
     got, _ = assemble(shards, {r: reader.entries(0, r)[0].placement for r in range(4)}, name="w")
     assert torch.equal(got, full)
+
+
+def test_a_dtensor_on_a_sub_mesh_is_replicated_over_the_dimensions_it_lacks():
+    """FSDP2 shards a norm weight that the TP plan leaves out on the dp mesh alone: every tp rank holds
+    a copy. With the run's whole mesh the placement says so (replicated over tp, outermost), so the
+    two tp ranks are copies to compare, not two claims of one coordinate."""
+    from torch.distributed.tensor.placement_types import Shard
+
+    class DpMesh:
+        mesh_dim_names = ("dp",)
+
+        def __init__(self, r: int) -> None:
+            self.r = r
+
+        def size(self, i: int) -> int:
+            return 2
+
+        def get_coordinate(self) -> list[int]:
+            return [self.r]
+
+    full = torch.arange(8.0)
+    shards, placements = {}, {}
+    for dp in (0, 1):
+        for tp in (0, 1):
+            t = SimpleNamespace(placements=(Shard(0),), device_mesh=DpMesh(dp), shape=full.shape)
+            placements[(dp, tp)] = Placement.from_dict(dtensor_placement(t, world=_Mesh((dp, tp))))
+            shards[(dp, tp)] = full[4 * dp:4 * dp + 4]
+    assert [(d.group, d.kind) for d in placements[(1, 1)].dims] == [("tp", "replicated"), ("dp", "contiguous")]
+    got, report = assemble(shards, placements, name="norm.weight")
+    assert torch.equal(got, full) and report.replicas_agree
+    shards[(1, 1)] = shards[(1, 1)] + 1  # one tp rank's copy drifted: reported
+    assert not assemble(shards, placements, name="norm.weight")[1].replicas_agree

@@ -30,7 +30,10 @@ What is recorded, and the placement each record gets:
   returns it (the logits gathered by ``ColwiseParallel(output_layouts=Replicate())`` are replicated).
 * **parameters** (``grad``: ``p.grad`` after the backward of the last microbatch, i.e. after
   FSDP2's reduce-scatter, in the reduce dtype; ``param``: after ``optimizer.step()``): as their
-  spec says; a parameter that is not a DTensor is replicated over the whole mesh.
+  spec says, and replicated over the mesh dimensions their mesh lacks (a norm weight that the
+  tensor-parallel plan leaves out is FSDP2-sharded on the data-parallel mesh alone, one copy per
+  tp rank: the checker requires the copies to agree bitwise); a parameter that is not a DTensor
+  is replicated over the whole mesh.
 * **unsharded gradients** (capture ``grad_local``, phase ``grad_local``): each microbatch's
   gradient of the parameter the module computed with -- FSDP2's unsharded (all-gathered,
   ``param_dtype``) parameter -- before FSDP2 reduce-scatters it, taken with a tensor hook on the
@@ -184,7 +187,8 @@ class DTensorTracer(DDPTracer):
                          loss_placement=self._tp_replicated(),
                          module_meta=module_meta, optimizer=optimizer,
                          role=role or ("reference" if world == 1 else "candidate"), layout=layout,
-                         name_fn=canonical_module_name, outputs_first=True, grad_placement_from_forward=True)
+                         name_fn=canonical_module_name, outputs_first=True, grad_placement_from_forward=True,
+                         device_mesh=mesh)
         self.capture = set(capture)
         self._unsharded_hooked: set[int] = set()
         #: id -> (weak reference, placement) of plain tensors a parallel style made from a module's
@@ -320,4 +324,4 @@ class DTensorTracer(DDPTracer):
     def parameter_placement(self, local: str, phase: str) -> Placement:
         """The parameter's spec placement (a DTensor), else replicated over the mesh."""
         p = self.params[local]
-        return Placement.from_dict(dtensor_placement(p)) if is_dtensor(p) else self._world_placement
+        return Placement.from_dict(dtensor_placement(p, world=self.mesh)) if is_dtensor(p) else self._world_placement

@@ -58,11 +58,12 @@ def _waited(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
 
 
-def local_shard(t: torch.Tensor) -> tuple[torch.Tensor, Placement | None]:
+def local_shard(t: torch.Tensor, world: Any = None) -> tuple[torch.Tensor, Placement | None]:
     """``(local tensor, placement)`` of a DTensor; ``(t, None)`` for any other tensor (an
-    ``AsyncCollectiveTensor`` waited for). The local tensor is a view, not a copy."""
+    ``AsyncCollectiveTensor`` waited for). The local tensor is a view, not a copy. ``world``: the
+    run's whole device mesh (:func:`dtensor_placement`)."""
     if is_dtensor(t):
-        return _masked(_waited(t.to_local()), t.placements), Placement.from_dict(dtensor_placement(t))
+        return _masked(_waited(t.to_local()), t.placements), Placement.from_dict(dtensor_placement(t, world=world))
     return _waited(t), None
 
 
@@ -81,10 +82,14 @@ def _masked(local: torch.Tensor, placements: Sequence[Any]) -> torch.Tensor:
     return local
 
 
-def dtensor_placement(t: Any, group_names: Sequence[str] | None = None) -> dict[str, Any]:
+def dtensor_placement(t: Any, group_names: Sequence[str] | None = None, world: Any = None) -> dict[str, Any]:
     """Placement dict of this rank's local shard of a ``DTensor`` (see the module docstring).
 
     Group names are the mesh's ``mesh_dim_names`` (or ``group_names``, or ``mesh<i>``).
+    ``world``: the run's whole device mesh (named dimensions). A DTensor on a sub-mesh of it (FSDP2's
+    parameters that a tensor-parallel plan leaves out live on the data-parallel mesh alone) is held
+    by every rank of the dimensions its mesh lacks: ``replicated`` over each of them (outermost),
+    so that the checker compares those copies instead of finding two ranks with one coordinate.
     Duck-typed on ``placements``, ``device_mesh`` (``size(i)``, ``get_coordinate()``) and
     ``shape``. Raises ``ValueError`` for a rank outside the mesh, a partial other than a sum,
     and a strided shard whose split factor is not the product of the mesh dims it follows.
@@ -124,4 +129,8 @@ def dtensor_placement(t: Any, group_names: Sequence[str] | None = None) -> dict[
                              "factor equal to their product (FSDP2 over a TP shard) is supported")
         dims.remove(sd)
         dims.insert(dims.index(later[-1]) + 1 if later else i, sd)
+    if world is not None:
+        world_names, world_coord = tuple(world.mesh_dim_names or ()), world.get_coordinate()
+        dims[:0] = [ShardDim(None, n, int(world_coord[j]), int(world.size(j)), "replicated")
+                    for j, n in enumerate(world_names) if n not in names and int(world.size(j)) > 1]
     return Placement(tuple(dims), full_shape=tuple(t.shape)).to_dict()
