@@ -247,3 +247,14 @@ def test_a_dtensor_on_a_sub_mesh_is_replicated_over_the_dimensions_it_lacks():
     assert torch.equal(got, full) and report.replicas_agree
     shards[(1, 1)] = shards[(1, 1)] + 1  # one tp rank's copy drifted: reported
     assert not assemble(shards, placements, name="norm.weight")[1].replicas_agree
+
+
+def test_a_wrapper_that_fully_shard_subclassed_is_still_a_wrapper():
+    """fully_shard turns a CheckpointWrapper's class into a subclass named FSDPCheckpointWrapper: still a
+    wrapper, not traced (else its records doubled the inner block's: 'layers.0.output_grad call 1')."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper, checkpoint_wrapper
+
+    from tracer.adapters.dtensor import _is_wrapper
+    w = checkpoint_wrapper(_Block())
+    w.__class__ = type("FSDPCheckpointWrapper", (type(w),), {})
+    assert isinstance(w, CheckpointWrapper) and _is_wrapper(w) and not _is_wrapper(_Block())

@@ -73,9 +73,9 @@ _DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "f
 
 def _is_wrapper(module: nn.Module) -> bool:
     """A module that only wraps another one (its child under a :data:`WRAPPER_COMPONENTS` name)."""
+    wrappers = ("CheckpointWrapper", "OptimizedModule", "DistributedDataParallel", "FullyShardedDataParallel")
     return any(name in WRAPPER_COMPONENTS for name, _ in module.named_children()) and \
-        type(module).__name__ in ("CheckpointWrapper", "OptimizedModule", "DistributedDataParallel",
-                                  "FullyShardedDataParallel")
+        any(c.__name__ in wrappers for c in type(module).__mro__)  # fully_shard subclasses: FSDPCheckpointWrapper
 
 
 def canonical_module_name(local: str) -> str:
