@@ -63,7 +63,7 @@ def test_patch_replaces_harness_attributes_and_undo_restores_them(name):
     b = BUGS[name]
     lay = Layout.parse(b.needs["layout"])
     fake = SimpleNamespace(layout=lay, dtype="bf16", tp_rank=1, dp_rank=0, args=ModelArgs(tied_embeddings=lay.tied))
-    mods = (train, parallelize, titan_model)
+    mods = (train, train.Run, parallelize, titan_model)
     before = [dict(vars(m)) for m in mods]
     undo = BUGS.inject(name, fake)
     try:

@@ -125,20 +125,14 @@ def _loss_not_divided(run):
     return replace(train, "microbatch_backward", lambda model, loss, n: loss.backward())
 
 
-@bug("tied_output_untied_before_sharding", catalogue="B07/B08", bug_class="lost gradient contribution (tied weights)",
-     needs={"layout": "r1.s2.t1+tied"}, expected_phase="grad_local", expected_name="tok_embeddings.weight",
-     doc="the output projection is untied from the embedding before FSDP2 shards the model (a copy made "
-         "while wrapping): both start equal, but the embedding's gradient no longer receives the output "
-         "projection's term and the output weight is trained on its own. Activations and their gradients "
-         "of step 0 are right (the candidate's extra output.weight has no reference record); the first "
-         "wrong tensor is the embedding's unsharded gradient")
-def _untied(run):
-    orig = train.parallelize
-
-    def untie_then_parallelize(model, *args, **kwargs):
-        model.output.weight = torch.nn.Parameter(model.tok_embeddings.weight.detach().clone())
-        return orig(model, *args, **kwargs)
-    return replace(train, "parallelize", untie_then_parallelize)
+@bug("dp_ranks_read_the_same_microbatches", catalogue="B99", bug_class="data sharding (wrong offset)",
+     needs={"layout": "r1.s2.t1+tied"}, expected_phase="fwd", expected_name="input",
+     doc="every data-parallel rank reads the first n microbatches of the global batch (the loader is not "
+         "offset by the dp rank): dp rank 1 trains on microbatches 0..n-1 again instead of n..2n-1. The "
+         "first wrong tensor is the model's input (token ids) of global microbatch n, the first one that "
+         "dp rank 1 should have read (tied embeddings)")
+def _same_microbatches(run):
+    return replace(train.Run, "microbatches", lambda self, step: train.global_batch(step, self.args)[:self.n_local])
 
 
 # --- optimizer step ---------------------------------------------------------------------------------
