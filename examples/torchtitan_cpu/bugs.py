@@ -90,6 +90,45 @@ def _not_regathered(run):
 
 # --- tensor and sequence parallelism (DTensor plan) -----------------------------------------------
 
+@bug("sp_ffn_norm_not_sequence_parallel", catalogue="B23/B04", bug_class="collective missing (norm grad over tp)",
+     needs={"layout": "r1.s1.t2+sp"}, expected_phase="grad_local", expected_name="layers.1.ffn_norm.weight",
+     doc="the tensor-parallel plan leaves ffn_norm out of SequenceParallel: the norm runs on each rank's "
+         "sequence shard with a plain (FSDP2-only, not tp-replicated) weight, so its weight gradient is the "
+         "rank's partial sum over its own tokens and is never all-reduced over tp. The forward is right; "
+         "the first wrong tensor is the last block's ffn_norm weight gradient in the backward, whose tp "
+         "copies disagree (withdrawn while the tracer could not assemble FSDP2 weights on the dp-only mesh; "
+         "re-registered unchanged once it could, before its first comparison)")
+def _norm_not_sp(run):
+    orig = parallelize.tp_plan
+
+    def plan(layout):
+        top, block = orig(layout)
+        block.pop("ffn_norm", None)
+        return top, block
+    return replace(parallelize, "tp_plan", plan)
+
+
+@bug("rowwise_partial_output_as_replicate", catalogue="B17", bug_class="collective missing (pending sum)",
+     needs={"layout": "r1.s1.t2"}, expected_phase="fwd", expected_name="layers.0.attention.output",
+     doc="attention.wo's RowwiseParallel declares output_layouts=Partial(): its output keeps the pending "
+         "sum over tp and use_local_output hands each rank its own partial product, which the residual "
+         "add then uses as if it were replicated. wo's own output is recorded as the DTensor it computed "
+         "(Partial: it sums correctly); the attention module returns the local tensor the style made of "
+         "it, which has the full shape and so is recorded as replicated over tp: its copies disagree there "
+         "(first declared at the residual stream entering ffn_norm, never run: the declaration was changed "
+         "before the first comparison, from how the tracer places a plain tensor made local from a DTensor)")
+def _partial_as_replicate(run):
+    orig = parallelize.tp_plan
+
+    def plan(layout):
+        from torch.distributed.tensor import Partial
+        from torch.distributed.tensor.parallel import RowwiseParallel
+        top, block = orig(layout)
+        block["attention.wo"] = RowwiseParallel(output_layouts=Partial())
+        return top, block
+    return replace(parallelize, "tp_plan", plan)
+
+
 @bug("sp_rope_rank_offset", catalogue="B29", bug_class="layout/indexing (wrong offset)",
      needs={"layout": "r1.s2.t2+sp"}, expected_phase="bwd", expected_name="layers.1.attention.w[qk].output_grad",
      doc="under sequence parallelism RoPE is given a rank-dependent position offset tp_rank * local_seq "
