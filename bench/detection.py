@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any
 
 from examples.bug_registry import Bug
+from tracer.errors import TraceError
 from examples.megatron_cpu.bugs import BUGS as MEGATRON_BUGS
 from examples.megatron_cpu.gpt import layout_name
 from examples.torch_parallel.bugs import BUGS as TORCH_BUGS
@@ -369,7 +370,14 @@ def clean_rows(rows: list[tuple[str, str]], seeds: list[int], steps: int, out: P
         row = CleanRow(name, dtype, list(seeds), steps)
         for seed in seeds:
             cand = out / f"clean_{name}_{dtype}_s{seed}"
-            c, dt = _compare(reference(cand, name, seed, dtype), cand)
+            try:
+                c, dt = _compare(reference(cand, name, seed, dtype), cand)
+            except TraceError as exc:  # a refused comparison is a failed row, never a crash of the benchmark
+                row.over += 1
+                row.false_positives.append({"seed": seed, "step": -1, "phase": "-", "name": "-", "microbatch": -1,
+                                            "status": "refused", "ratio": math.inf, "note": str(exc)[:300]})
+                log(f"  clean {name} {dtype} seed {seed}: REFUSED: {str(exc)[:300]}")
+                continue
             row.compare_s += dt
             row.trace_s += results[str(cand)]["wall_s"]
             row.tensors += len(c.rows)
@@ -411,8 +419,14 @@ def bug_rows(placed: list[tuple[str, str]], out: Path, results: dict[str, dict[s
         step = "" if b.expected_step is None else f" (step {b.expected_step})"
         row = BugRow(name, b.catalogue, b.bug_class, lay, dtype, f"{b.expected_phase} {b.expected_name}{step}")
         cand = out / f"bug_{name}"
-        c, row.compare_s = _compare(reference(cand, lay, BUG_SEED, dtype), cand)
         row.trace_s = results[str(cand)]["wall_s"]
+        try:
+            c, row.compare_s = _compare(reference(cand, lay, BUG_SEED, dtype), cand)
+        except TraceError as exc:  # refused (fail closed): not a placed detection; reported, not a crash
+            row.status, row.note = "refused", str(exc)[:300]
+            log(f"  bug {name} on {lay}: REFUSED: {row.note}")
+            table.append(row)
+            continue
         f = c.first
         row.detected = f is not None
         row.replicas_drift = any(r.status == "replicas" or "replicas over" in r.note for r in c.rows)
