@@ -26,8 +26,6 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from examples.gloo import released_groups
 from examples.torchtitan_cpu.parallelize import Layout
 from examples.torchtitan_cpu.train import Run, tracer_for
@@ -82,28 +80,10 @@ def reference_noise(tp: int, dp: int, dtype: str, reference: Layout | None = Non
     return {"injector_kwargs": {**kw, "accepted": dict(TITAN_ACCEPTED)}}
 
 
-def clear_dtensor_caches() -> None:
-    """Forget DTensor's cached sharding propagations. A cached output spec holds the device mesh of the
-    job that computed it, and meshes of equal shape compare equal: without this, a later job of the same
-    launch (whose groups :func:`~examples.gloo.released_groups` destroyed and re-created under other
-    names) gets the old mesh, e.g. in ``clip_grad_norm_``'s all-reduce on a 2-D mesh ("Could not resolve
-    the process group registered under the name 3")."""
-    from torch.distributed.tensor import DTensor
-    prop = DTensor._op_dispatcher.sharding_propagator
-    for name in ("propagate_op_sharding", "_propagate_tensor_meta_cached"):
-        fn = getattr(prop, name, None)
-        if hasattr(fn, "cache_clear"):
-            fn.cache_clear()
-    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)  # the C++ fast path's
-    if clear_native is not None:
-        clear_native()
-
-
 def trace_job(job: dict[str, Any]) -> dict[str, Any]:
     """Run and trace one job on this rank (see the module docstring)."""
     t0 = time.perf_counter()
-    clear_dtensor_caches()
-    with released_groups():
+    with released_groups():  # also forgets DTensor's cached meshes of this job's (destroyed) groups
         layout = Layout.parse(job["layout"])
         seed = int(job.get("seed", 0))
         run = Run(layout, job["dtype"], seed=seed, bug=job.get("bug"))
