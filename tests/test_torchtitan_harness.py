@@ -2,9 +2,9 @@
 well-formed (doc, catalogue entry, a layout the benchmark runs, a declared first divergence that
 names a tensor the tracer records) and its patch replaces harness attributes and restores them.
 
-One launch (``test_launch_clean_and_bug``): a reference with noise samples, the clean FSDP2 x TP
-candidate and one bug, one step each; the full matrix runs in ``bench.detection``
-(``titan:`` layouts, and ``--quick``'s FSDP2 x TP row)."""
+The launches are the detection benchmark's: ``tests/test_detection_quick.py`` runs ``--quick``'s
+FSDP2 x TP row and its bug (``sp_rope_rank_offset``) against a reference with noise samples, and
+``bench.detection`` the full ``titan:`` matrix."""
 from __future__ import annotations
 
 import fnmatch
@@ -88,25 +88,3 @@ def test_quick_subset_has_a_titan_row_and_bug():
     assert ("titan:r1.s2.t2+sp", "bf16") in QUICK_ROWS
     quick = [n for n in QUICK_BUGS if n in BUGS]
     assert quick and all(TITAN + BUGS[n].needs["layout"] in {r for r, _ in QUICK_ROWS} for n in quick)
-
-
-@pytest.mark.slow
-def test_launch_clean_and_bug(tmp_path):
-    """A reference (2 noise samples), the clean FSDP2 x TP candidate and one bug, one step: the clean
-    one within its thresholds, the bug at its declared first divergence."""
-    from examples.gloo import run_gloo
-    from examples.torchtitan_cpu.run import trace_worker
-    from tracer.compare.check import compare
-    name = "sp_rope_rank_offset"
-    lay = Layout.parse(BUGS[name].needs["layout"])
-    job = {"dtype": "fp32", "seed": 0, "steps": 1}
-    ref = tmp_path / "ref"
-    run_gloo(trace_worker, 1, [{**job, "layout": lay.reference().name, "root": str(ref), "noise_samples": 2,
-                                "noise_tp": lay.tp, "noise_dp": lay.dp}])
-    run_gloo(trace_worker, lay.world, [{**job, "layout": lay.name, "root": str(tmp_path / "clean")},
-                                       {**job, "layout": lay.name, "root": str(tmp_path / "bug"), "bug": name}])
-    clean = compare(ref, tmp_path / "clean")
-    assert clean.first is None and len(clean.rows) > 300, [r for r in clean.rows if r.status != "ok"][:3]
-    f = compare(ref, tmp_path / "bug").first
-    b = BUGS[name]
-    assert f is not None and f.phase == b.expected_phase and fnmatch.fnmatchcase(f.name, b.expected_name), f
