@@ -82,7 +82,7 @@ class DDPTracer:
         module_meta: extra meta for the records of matching modules (as
             :class:`~tracer.capture.hooks.Tracer`; e.g. an MoE router's top-k, :mod:`tracer.compare.decisions`).
         optimizer: the run's optimizer (captures ``optim`` and ``options``).
-        name_fn, outputs_first, grad_placement_from_forward, device_mesh: as :class:`~tracer.capture.hooks.Tracer`
+        name_fn, outputs_first, grad_placement_from_forward: as :class:`~tracer.capture.hooks.Tracer`
             (an adapter built on this one, :class:`tracer.adapters.dtensor.DTensorTracer`, strips wrapper
             names, records outputs before other forward hooks and places a gradient as its tensor).
     """
@@ -97,7 +97,7 @@ class DDPTracer:
                  module_meta: dict[str, dict[str, Any]] | None = None, optimizer: Any = None,
                  role: str | None = None, layout: dict[str, Any] | None = None,
                  name_fn: Callable[[str], str] | None = None, outputs_first: bool = False,
-                 grad_placement_from_forward: bool = False, device_mesh: Any = None) -> None:
+                 grad_placement_from_forward: bool = False) -> None:
         import torch.distributed as dist
         dist_on = dist.is_available() and dist.is_initialized()
         self.dp = int(dp if dp is not None else (dist.get_world_size() if dist_on else 1))
@@ -110,7 +110,7 @@ class DDPTracer:
                              capture=[c for c in capture if c in _MODULE_CAPTURES], placement_fn=placement_fn,
                              grad_scale=1.0 / self.dp if grad_scale is None else grad_scale,
                              module_meta=module_meta, name_fn=name_fn, outputs_first=outputs_first,
-                             grad_placement_from_forward=grad_placement_from_forward, device_mesh=device_mesh)
+                             grad_placement_from_forward=grad_placement_from_forward)
         self.params = {local: p for local, (_canon, p) in self.tracer.params.items()}
         placement = ddp_placement(self.dp_rank, self.dp)
         self.param_placement = param_placement or (lambda local: placement)

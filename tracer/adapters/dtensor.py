@@ -187,8 +187,7 @@ class DTensorTracer(DDPTracer):
                          loss_placement=self._tp_replicated(),
                          module_meta=module_meta, optimizer=optimizer,
                          role=role or ("reference" if world == 1 else "candidate"), layout=layout,
-                         name_fn=canonical_module_name, outputs_first=True, grad_placement_from_forward=True,
-                         device_mesh=mesh)
+                         name_fn=canonical_module_name, outputs_first=True, grad_placement_from_forward=True)
         self.capture = set(capture)
         self._unsharded_hooked: set[int] = set()
         #: id -> (weak reference, placement) of plain tensors a parallel style made from a module's
@@ -217,8 +216,9 @@ class DTensorTracer(DDPTracer):
         raise ValueError(f"plain_placements: {placement!r} on {self.tp_dim}; give Shard(d) or Replicate()")
 
     def _plain_placement(self, local: str, name: str, t: torch.Tensor) -> dict[str, Any] | None:
-        """Placement of a plain (non-DTensor) module record (module docstring)."""
-        if self.tp_dim is None:
+        """Placement of a plain (non-DTensor) module record (module docstring); None for a DTensor
+        (its spec places it, and its gradient's: :attr:`Tracer.grad_placement_from_forward`)."""
+        if self.tp_dim is None or is_dtensor(t):
             return None  # data parallelism only: a whole tensor of this rank's microbatch
         from torch.distributed.tensor.placement_types import Replicate, Shard
         canon = canonical_module_name(local)
@@ -265,10 +265,12 @@ class DTensorTracer(DDPTracer):
             raw.clear()
         return hook
 
-    def _param_placement(self, local: str) -> dict[str, Any] | None:
-        """A DTensor parameter's placement is its spec's (None here: the hooks read it); any other
-        parameter is replicated over every mesh dimension."""
-        return None if is_dtensor(self.params[local]) else self._world_placement.to_dict()
+    def _param_placement(self, local: str) -> dict[str, Any]:
+        """A DTensor parameter's placement is its spec's, replicated over the mesh dimensions its own
+        mesh lacks (:func:`~tracer.trace.dtensor.dtensor_placement` with ``world``); any other
+        parameter is replicated over every mesh dimension. Its gradient and optimizer state share it."""
+        p = self.params[local]
+        return dtensor_placement(p, world=self.mesh) if is_dtensor(p) else self._world_placement.to_dict()
 
     # unsharded gradients (grad_local) ------------------------------------------------------------
     def _watch_unsharded(self, local: str) -> Callable:
@@ -323,5 +325,4 @@ class DTensorTracer(DDPTracer):
 
     def parameter_placement(self, local: str, phase: str) -> Placement:
         """The parameter's spec placement (a DTensor), else replicated over the mesh."""
-        p = self.params[local]
-        return Placement.from_dict(dtensor_placement(p, world=self.mesh)) if is_dtensor(p) else self._world_placement
+        return Placement.from_dict(self._param_placement(local))

@@ -130,8 +130,8 @@ class Tracer:
     that know a tensor's layout by its identity.
 
     DTensors (FSDP2, tensor parallelism) are recorded as their local shard with the placement
-    their spec gives (:mod:`tracer.trace.dtensor`; ``device_mesh``: the run's whole mesh, over whose
-    dimensions a DTensor on a sub-mesh is replicated), whatever placement the caller passed;
+    their spec gives (:mod:`tracer.trace.dtensor`) unless the caller passes a placement (an adapter
+    that knows the run's whole mesh: a parameter on a sub-mesh is replicated over the rest);
     ``placement_fn`` is asked about other tensors only.
 
     Usage::
@@ -158,7 +158,7 @@ class Tracer:
                  placement_fn: Callable[[str, str, torch.Tensor], dict[str, Any]] | None = None,
                  grad_scale: float = 1.0,
                  module_meta: dict[str, dict[str, Any]] | None = None, outputs_first: bool = False,
-                 grad_placement_from_forward: bool = False, device_mesh: Any = None) -> None:
+                 grad_placement_from_forward: bool = False) -> None:
         unknown = set(capture) - set(CAPTURES)
         if unknown:
             raise ValueError(f"unknown capture kinds {sorted(unknown)}; choose from {CAPTURES}")
@@ -171,7 +171,6 @@ class Tracer:
         self.grad_scale = float(grad_scale)
         self.outputs_first = bool(outputs_first)
         self.grad_placement_from_forward = bool(grad_placement_from_forward)
-        self.device_mesh = device_mesh
         self._step: int | None = None
         self._microbatch = 0
         self._index = 0
@@ -273,8 +272,8 @@ class Tracer:
                 if fnmatch.fnmatchcase(local, pattern):
                     meta.update(extra)
         meta.setdefault("call", call)
-        tensor, spec = local_shard(tensor, world=self.device_mesh)
-        if spec is not None:  # a DTensor's own spec, whatever the caller assumed
+        tensor, spec = local_shard(tensor)
+        if placement is None:  # a DTensor's own spec, unless the caller knows more (its whole mesh)
             placement = spec
         if placement is None and self.placement_fn is not None and local is not None:
             placement = self.placement_fn(local, name, tensor)

@@ -58,12 +58,11 @@ def _waited(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if isinstance(t, AsyncCollectiveTensor) else t
 
 
-def local_shard(t: torch.Tensor, world: Any = None) -> tuple[torch.Tensor, Placement | None]:
+def local_shard(t: torch.Tensor) -> tuple[torch.Tensor, Placement | None]:
     """``(local tensor, placement)`` of a DTensor; ``(t, None)`` for any other tensor (an
-    ``AsyncCollectiveTensor`` waited for). The local tensor is a view, not a copy. ``world``: the
-    run's whole device mesh (:func:`dtensor_placement`)."""
+    ``AsyncCollectiveTensor`` waited for). The local tensor is a view, not a copy."""
     if is_dtensor(t):
-        return _masked(_waited(t.to_local()), t.placements), Placement.from_dict(dtensor_placement(t, world=world))
+        return _masked(_waited(t.to_local()), t.placements), Placement.from_dict(dtensor_placement(t))
     return _waited(t), None
 
 
@@ -86,10 +85,12 @@ def dtensor_placement(t: Any, group_names: Sequence[str] | None = None, world: A
     """Placement dict of this rank's local shard of a ``DTensor`` (see the module docstring).
 
     Group names are the mesh's ``mesh_dim_names`` (or ``group_names``, or ``mesh<i>``).
-    ``world``: the run's whole device mesh (named dimensions). A DTensor on a sub-mesh of it (FSDP2's
-    parameters that a tensor-parallel plan leaves out live on the data-parallel mesh alone) is held
-    by every rank of the dimensions its mesh lacks: ``replicated`` over each of them (outermost),
-    so that the checker compares those copies instead of finding two ranks with one coordinate.
+    ``world``: the run's whole device mesh (named dimensions), for a *parameter* (or its gradient or
+    optimizer state): one on a sub-mesh of it (FSDP2's parameters that a tensor-parallel plan leaves
+    out live on the data-parallel mesh alone) is held by every rank of the dimensions its mesh
+    lacks: ``replicated`` over each of them (outermost), so that the checker compares those copies
+    instead of finding two ranks with one coordinate. Not for activations: data-parallel ranks hold
+    different microbatches of those, told apart by their global microbatch numbers.
     Duck-typed on ``placements``, ``device_mesh`` (``size(i)``, ``get_coordinate()``) and
     ``shape``. Raises ``ValueError`` for a rank outside the mesh, a partial other than a sum,
     and a strided shard whose split factor is not the product of the mesh dims it follows.
