@@ -18,15 +18,13 @@ from ttrace_num.formats import get_format
 
 
 class _Mesh:
-    """A 2 x 2 mesh ("dp", "tp") seen from ``coord``."""
+    """A mesh seen from ``coord``: by default 2 x 2 ("dp", "tp"); every dimension of size ``size``."""
 
-    mesh_dim_names = ("dp", "tp")
-
-    def __init__(self, coord: tuple[int, int]) -> None:
-        self.coord = coord
+    def __init__(self, coord: tuple[int, ...], names: tuple[str, ...] = ("dp", "tp"), size: int = 2) -> None:
+        self.coord, self.mesh_dim_names, self._size = coord, names, size
 
     def size(self, i: int) -> int:
-        return 2
+        return self._size
 
     def get_coordinate(self) -> list[int]:
         return list(self.coord)
@@ -189,23 +187,11 @@ def test_uneven_fsdp2_shards_with_an_empty_rank_are_stored_and_assembled(tmp_pat
     """FSDP2 cuts a 5-row weight over 4 ranks with torch.chunk: 2, 2, 1 and 0 rows. Every rank's shard,
     the empty one included, is written, read back and assembled into the full weight."""
     from torch.distributed.tensor.placement_types import Shard
-
-    class Mesh1D:
-        mesh_dim_names = ("dp_shard",)
-
-        def __init__(self, r: int) -> None:
-            self.r = r
-
-        def size(self, i: int) -> int:
-            return 4
-
-        def get_coordinate(self) -> list[int]:
-            return [self.r]
-
     full = torch.arange(15.0).reshape(5, 3)
     pieces = full.chunk(4) + (full[5:],)  # torch.chunk gives 3 pieces; the 4th rank holds none
     for r in range(4):
-        pl = dtensor_placement(SimpleNamespace(placements=(Shard(0),), device_mesh=Mesh1D(r), shape=full.shape))
+        pl = dtensor_placement(SimpleNamespace(placements=(Shard(0),), device_mesh=_Mesh((r,), ("dp_shard",), 4),
+                                                shape=full.shape))
         w = TraceWriter(tmp_path, r, 4, {"dp": 4}, "uneven")
         w.add("w", pieces[r].clone(), phase="param", step=0, placement=pl)
         w.flush_step(0)
@@ -222,24 +208,11 @@ def test_a_dtensor_on_a_sub_mesh_is_replicated_over_the_dimensions_it_lacks():
     a copy. With the run's whole mesh the placement says so (replicated over tp, outermost), so the
     two tp ranks are copies to compare, not two claims of one coordinate."""
     from torch.distributed.tensor.placement_types import Shard
-
-    class DpMesh:
-        mesh_dim_names = ("dp",)
-
-        def __init__(self, r: int) -> None:
-            self.r = r
-
-        def size(self, i: int) -> int:
-            return 2
-
-        def get_coordinate(self) -> list[int]:
-            return [self.r]
-
     full = torch.arange(8.0)
     shards, placements = {}, {}
     for dp in (0, 1):
         for tp in (0, 1):
-            t = SimpleNamespace(placements=(Shard(0),), device_mesh=DpMesh(dp), shape=full.shape)
+            t = SimpleNamespace(placements=(Shard(0),), device_mesh=_Mesh((dp,), ("dp",)), shape=full.shape)
             placements[(dp, tp)] = Placement.from_dict(dtensor_placement(t, world=_Mesh((dp, tp))))
             shards[(dp, tp)] = full[4 * dp:4 * dp + 4]
     assert [(d.group, d.kind) for d in placements[(1, 1)].dims] == [("tp", "replicated"), ("dp", "contiguous")]

@@ -99,13 +99,7 @@ def _not_regathered(run):
          "copies disagree (withdrawn while the tracer could not assemble FSDP2 weights on the dp-only mesh; "
          "re-registered unchanged once it could, before its first comparison)")
 def _norm_not_sp(run):
-    orig = parallelize.tp_plan
-
-    def plan(layout):
-        top, block = orig(layout)
-        block.pop("ffn_norm", None)
-        return top, block
-    return replace(parallelize, "tp_plan", plan)
+    return _edited_block_plan(lambda block: block.pop("ffn_norm", None))
 
 
 @bug("rowwise_partial_output_as_replicate", catalogue="B17", bug_class="collective missing (pending sum)",
@@ -118,13 +112,18 @@ def _norm_not_sp(run):
          "(first declared at the residual stream entering ffn_norm, never run: the declaration was changed "
          "before the first comparison, from how the tracer places a plain tensor made local from a DTensor)")
 def _partial_as_replicate(run):
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor.parallel import RowwiseParallel
+    return _edited_block_plan(lambda block: block.update({"attention.wo": RowwiseParallel(output_layouts=Partial())}))
+
+
+def _edited_block_plan(edit):
+    """Replace ``parallelize.tp_plan`` by one whose per-block plan ``edit(block)`` changed in place."""
     orig = parallelize.tp_plan
 
     def plan(layout):
-        from torch.distributed.tensor import Partial
-        from torch.distributed.tensor.parallel import RowwiseParallel
         top, block = orig(layout)
-        block["attention.wo"] = RowwiseParallel(output_layouts=Partial())
+        edit(block)
         return top, block
     return replace(parallelize, "tp_plan", plan)
 

@@ -641,13 +641,12 @@ def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str
         else:
             cand_t, notes = assembled_record(cand, s, cand_entries, k.name)
 
-            def judge(c: torch.Tensor, s=s, k=k, ref_e=ref_e, ref_t=ref_t, notes=notes, noisy=noisy,
-                      cand_entries=cand_entries, cap=cap) -> TensorCheck:
+            def judge(c: torch.Tensor) -> TensorCheck:  # called in this iteration only
                 return check_routed(s, k, ref_e, ref_t, c, notes, noisy, per_tensor, cand_entries, changed,
                                     block_scale, few_sources=cap)
             row = downstream_of_choices(judge(cand_t), ref_e.meta, changed)
-            rows.append(without_sign_flips(row, ref_t, cand_t, lambda s=s, k=k: _gradients(ref, cand, s, k.name,
-                                                                                           indexes[s]), judge))
+            rows.append(without_sign_flips(row, ref_t, cand_t, lambda: _gradients(ref, cand, s, k.name, indexes[s]),
+                                           judge))
         if bar is not None:
             bar.update(1)
     if bar is not None:
