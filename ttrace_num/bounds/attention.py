@@ -66,7 +66,7 @@ are ``w_j exp(lambda_j)`` with ``|lambda_j| <= Lam_j = Delta_j + h_j + L(c_e) +
 sum_{r > t(j)} (h_alpha_r + L(c_e))``, ``L(x) = -log(1 - x)``, ``Delta_j`` the score
 error bound. The exactly normalised ``p'_j = softmax(s + lambda)_j`` satisfies
 ``|p'_j - p_j| <= J_j`` from the rigorous softmax perturbation bound
-(:func:`ttrace_num.propagate.jacobian.softmax`: ``p_j max(e^{Lam_j + p.Lam} - 1, 1 -
+(:func:`.softmax_jacobian.softmax_perturbation`: ``p_j max(e^{Lam_j + p.Lam} - 1, 1 -
 e^{-Lam_j}/sum p e^Lam)``), or, whichever is smaller, the form that is tight for a dominant
 entry (``~2 (1 - p_j) Lam`` instead of ``~2 Lam``): ``p'_j / p_j = 1 / (p_j + sum_{k != j} p_k
 e^{lambda_k - lambda_j})`` with ``|lambda_k - lambda_j| <= x_j = Lam_j + max Lam`` gives ``|p'_j/p_j -
@@ -207,10 +207,10 @@ from typing import NamedTuple
 import torch
 
 from ..formats import FloatFormat, get_format, half_ulp
-from ..propagate.jacobian import softmax as softmax_perturbation
 from .base import Bound, Explanation, lambda_for
 from .common import Precision, f64, register, resolve_mode, resolve_precision
 from .matmul import partial_abs_sum
+from .softmax_jacobian import softmax_perturbation
 from .summation import (
     Depths,
     Summation,
@@ -446,7 +446,7 @@ def _blockify(x: torch.Tensor, T: int, b: int, fill: float) -> torch.Tensor:
 def _peaked_perturbation(w: torch.Tensor, W: torch.Tensor, pu: torch.Tensor, lam: torch.Tensor,
                          lam_max: torch.Tensor) -> torch.Tensor:
     """A second rigorous bound on ``|softmax(s + lambda)_j - p_j|``, ``|lambda_k| <= Lam_k``, tight for
-    dominant entries (where :func:`~ttrace_num.propagate.jacobian.softmax` gives ``~2 Lam`` instead of
+    dominant entries (where :func:`.softmax_jacobian.softmax_perturbation` gives ``~2 Lam`` instead of
     ``~2 (1 - p_j) Lam``): ``p'_j / p_j = 1 / (p_j + sum_{k != j} p_k e^{lambda_k - lambda_j})`` and
     ``|lambda_k - lambda_j| <= x_j = Lam_j + max Lam``, so with ``o_j >= 1 - p_j``
     ``|p'_j / p_j - 1| <= max(o_j (1 - e^{-x_j}) / (1 - o_j (1 - e^{-x_j})), o_j (e^{x_j} - 1))``.

@@ -12,7 +12,8 @@ the bound is rigorous.
 
 * ``linear``/``matmul`` (exact, bilinear): ``|A+dA)(B+dB) - AB| <= |dA||B| + |A||dB| + |dA||dB|``.
 * ``add``: ``v_x + v_y`` (exact). ``mul``: ``|x| v_y + v_x |y| + v_x v_y`` (exact).
-* ``softmax`` (rigorous): ``p_i(x+d)/p_i(x) = e^{d_i} / sum_j p_j e^{d_j}`` and Jensen
+* ``softmax`` (rigorous; :func:`ttrace_num.bounds.softmax_jacobian.softmax_perturbation`):
+  ``p_i(x+d)/p_i(x) = e^{d_i} / sum_j p_j e^{d_j}`` and Jensen
   ``sum_j p_j e^{d_j} >= e^{-sum_j p_j v_j}`` give
   ``|dp_i| <= p_i max(e^{v_i + p.v} - 1, 1 - e^{-v_i} / sum_j p_j e^{v_j})``.
 * ``layer_norm`` (first order): with ``xh = (x - mu)/sigma``,
@@ -30,6 +31,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from ..bounds.softmax_jacobian import softmax_perturbation as softmax
 
 __all__ = ["matmul", "linear", "add", "mul", "softmax", "layer_norm", "rms_norm", "gelu", "silu", "scale"]
 
@@ -82,16 +85,6 @@ def mul(x: torch.Tensor, y, vx, vy) -> torch.Tensor:
 
 def scale(v: torch.Tensor, factor: float) -> torch.Tensor:
     return v * abs(factor)
-
-
-def softmax(p: torch.Tensor, v: torch.Tensor, dim: int) -> torch.Tensor:
-    p64 = p.double()
-    pv = (p64 * v).sum(dim, keepdim=True)
-    pev = (p64 * torch.expm1(v)).sum(dim, keepdim=True) + 1.0  # sum_j p_j e^{v_j}
-    up = torch.expm1(v + pv)
-    down = 1.0 - torch.exp(-v) / pev
-    out = p64 * torch.maximum(up, down)
-    return torch.nan_to_num(out, nan=0.0)  # masked entries (p = 0, v finite) stay 0
 
 
 def _stats(x: torch.Tensor, dims: tuple[int, ...], eps: float, centered: bool):
