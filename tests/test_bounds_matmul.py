@@ -318,3 +318,19 @@ def test_difference_with_an_inner_dimension_of_one(mode):
     d = matmul_difference(a, b, model_a=Summation(), model_b=Summation(split=2, reduce_fmt="bf16"), mode=mode)
     exact = a.double() @ b.double()
     assert d.abs.shape == (4, 3) and bool((d.abs >= (exact - (a @ b).double()).abs()).all())
+
+
+def test_split_partials_that_overflow_fp16_give_an_infinite_bound():
+    """Split-K with fp16 partials: the first part's partial sum (7e4) overflows fp16 to inf
+    while the exact result (6e4) is finite; the bound must be inf there (it was finite)."""
+    a = torch.ones(2, 4, dtype=torch.float16)
+    a[1] /= 16
+    b = torch.tensor([[35000.0], [35000.0], [-5000.0], [-5000.0]], dtype=torch.float16)
+    summ = Summation(split=2, reduce_fmt="fp16")
+    got = emulate_matmul(a, b, summ, "fp16")
+    exact = exact_matmul(a, b)
+    assert math.isinf(got[0, 0].item()) and math.isfinite(got[1, 0].item())
+    for mode in ("deterministic", "probabilistic"):
+        bd = matmul(a, b, summation=summ, mode=mode).abs
+        assert math.isinf(bd[0, 0].item()) and math.isfinite(bd[1, 0].item())
+        assert bool(((got - exact).abs() <= bd).all())

@@ -329,3 +329,27 @@ def test_leaf_levels_cover_terms_rounded_before_the_sum():
         assert viol == 0 if mode == "deterministic" else binomtest(viol, 512, p, alternative="greater").pvalue > 1e-3
         wrong, _ = sum_error_bound(s, mag, 256, Summation(), FP32, mode, lam)
         assert int((err > wrong).sum()) > 0
+
+
+def test_overflow_possible_flags_values_above_the_format_maximum():
+    from ttrace_num.bounds.summation import overflow_possible
+    got = overflow_possible(torch.tensor([65504.0, -65505.0, math.nan, 1.0], dtype=torch.float64), "fp16")
+    assert got.tolist() == [False, True, True, False]
+    with pytest.raises(TypeError, match="partial_sum_upper"):
+        overflow_possible(1.0, "fp16")
+
+
+@pytest.mark.parametrize("mode", ["deterministic", "probabilistic"])
+def test_partial_sums_that_overflow_give_an_infinite_bound(mode):
+    """fp16 accumulation: 3e4 + 3e4 + 3e4 overflows to inf although the exact sum (3e4) and the
+    output are finite; the bound must be inf there (it was finite: a false claim), and stay
+    finite on the rows whose partial sums cannot overflow."""
+    big = torch.tensor([[3e4, 3e4, 3e4, -3e4, -3e4, 0.0]], dtype=torch.float64)
+    x = torch.cat([big, big / 64]).float()
+    summ = Summation(accum=FP16)
+    got = emulate_sum(x, -1, summ, "fp32")
+    exact = exact_sum(x.double(), -1)
+    assert math.isinf(got[0].item()) and math.isfinite(got[1].item())
+    b, _ = sum_error_bound(x.double().abs().sum(-1), exact.abs(), 6, summ, FP32, mode, lambda_for(1e-2))
+    assert math.isinf(b[0].item()) and math.isfinite(b[1].item())
+    assert bool(((got - exact).abs() <= b).all())

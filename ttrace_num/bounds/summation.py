@@ -72,6 +72,16 @@ levels such as a mean's division. The bound adds ``sum_f r_f eta_f`` with ``r_f`
 counts (:meth:`Summation.roundings`; in a format without subnormals, which flushes,
 every addition is counted too).
 
+Overflow. The model (1) assumes no rounding overflows. Every computed partial sum (and
+product) of a stage satisfies ``|s_hat_v| <= (1 + theta) M`` (``M = S`` in the parts,
+``T_hat`` in the reduction, below; in probabilistic mode the path growth ``g`` replaces
+``theta`` under the event the claim already rests on). Where that exceeds the largest finite
+value of a format the stage holds values in (``accum``, the leaf formats, ``reduce_fmt``), the
+kernel may return ``inf`` (torch does: e.g. an fp16 all-reduce of partials of +-6e4 whose sum
+is small), and the bound there is ``inf`` (:func:`overflow_possible`); the output rounding is
+``inf`` above the output format's maximum (:func:`~ttrace_num.formats.half_ulp`). Values
+after ``extra_depths`` (a mean's division) are not checked: those levels do not grow the sum.
+
 Two stages (split sums, and levels applied to the whole sum)
 ------------------------------------------------------------
 With ``split = k`` parts the computed sum is the reduction of the computed partial sums
@@ -163,6 +173,7 @@ __all__ = [
     "sum_error_bound",
     "sum_difference_bound",
     "path_growth",
+    "overflow_possible",
 ]
 
 
@@ -293,6 +304,21 @@ def conversion_exact(src: FloatFormat, dst: FloatFormat) -> bool:
     return (src == dst) or (dst.mantissa_bits >= src.mantissa_bits and dst.emax >= src.emax
                             and dst.emin - dst.mantissa_bits * dst.subnormals
                             <= src.emin - src.mantissa_bits * src.subnormals)
+
+
+def overflow_possible(partial_sum_upper: torch.Tensor, fmt: "FloatFormat | str") -> torch.Tensor:
+    """Bool tensor: ``True`` where a value of magnitude up to ``partial_sum_upper`` (an upper
+    bound on a computed partial sum, product or result held in ``fmt``, before its rounding)
+    may not be representable in ``fmt``: ``partial_sum_upper > fmt.max`` (also for NaN).
+
+    Above ``fmt.max`` round-to-nearest overflows to ``inf`` from ``max + half_ulp(max)`` on
+    (IEEE formats; a saturating or finite-only format returns ``max`` or NaN), so a finite bound
+    there would be a false claim: callers make their bound ``inf`` where this is ``True``
+    (:func:`sum_error_bound` does it for the partial sums of every stage). Conservative by half
+    an ulp at ``max``, like :func:`~ttrace_num.formats.half_ulp`."""
+    if not isinstance(partial_sum_upper, torch.Tensor):
+        raise TypeError(f"partial_sum_upper must be a torch.Tensor, got {type(partial_sum_upper).__name__}")
+    return ~(partial_sum_upper.abs() <= get_format(fmt).max)
 
 
 def theta(depths: Depths) -> float:
@@ -436,6 +462,25 @@ def _stages(s: Summation, n: int, exact_products: bool, abs_sum: torch.Tensor, m
     return inner, _Stage(dout, growth(dout), torch.add(t, abs_sum, alpha=g_in) if g_in else t)
 
 
+def _inf_where_overflow(bound: torch.Tensor, held: list[tuple[_Stage, set[FloatFormat]]]) -> torch.Tensor:
+    """``bound`` with ``inf`` where a partial sum of a stage may overflow a format it is held
+    in (module docstring, "Overflow"): every computed partial sum of a stage is at most
+    ``(1 + theta) M`` (``M = S`` for the products and the parts' trees, ``T_hat`` for the
+    reduction of the partials). One reduction per stage first: overflow is rare."""
+    for st, fmts in held:
+        if st.magnitude is None or not fmts:
+            continue
+        lowest = min(f.max for f in fmts)
+        if not st.magnitude.numel() or float(st.magnitude.max()) * (1.0 + st.theta) <= lowest:
+            continue
+        upper = st.magnitude * (1.0 + st.theta)
+        mask = torch.zeros_like(bound, dtype=torch.bool)
+        for f in fmts:
+            mask |= overflow_possible(upper, f)
+        bound = bound.masked_fill(mask, math.inf)
+    return bound
+
+
 def _deterministic(inner: _Stage, outer: _Stage) -> torch.Tensor:
     """``theta_in S + theta_out T_hat`` (module docstring, "Two stages")."""
     terms = [(inner.theta, inner.magnitude)]
@@ -547,6 +592,10 @@ def sum_error_bound(abs_sum: torch.Tensor, magnitude: torch.Tensor, n: int, summ
                           out=acc)
         acc += eta
     bound = acc if conversion_exact(summation.final_fmt, out_fmt) else acc + half_ulp(magnitude + acc, out_fmt)
+    held = [(inner, set(inner.depths) | {summation.accum}), (outer, set(summation.outer_depths(n)))]
+    if mode == "probabilistic":  # the growth the probabilistic claim rests on, where smaller
+        held = [(min(st, pst, key=lambda x: x.theta), fmts) for (st, fmts), pst in zip(held, (p_in, p_out))]
+    bound = _inf_where_overflow(bound, held)
     values = {"n": n, "summation": summation.describe(),
               "depths": {str(f): d for f, d in _merge(inner.depths, outer.depths).items()},
               "theta_inner": inner.theta, "theta_outer": outer.theta, "eta": eta, "output": str(out_fmt)}
@@ -610,6 +659,8 @@ def sum_difference_bound(abs_sum: torch.Tensor, magnitude: torch.Tensor, n: int,
         joint = _quadrature([term for st, d in pairs for term in st.deviation(d)], abs_sum, lam3).add_(eta) \
             + outputs(*side)
         bound = torch.minimum(bound, torch.minimum(tri, joint))
+    bound = _inf_where_overflow(bound, [(st, fmts) for side, stages in ((a, sa), (b, sb)) for st, fmts in
+                                        zip(stages, ({side.accum}, set(side.outer_depths(n))))])
     values = {"n": n, "model_a": a.describe(), "model_b": b.describe(),
               "unshared_depths": {str(f): k for f, k in difference_depths(a, b, n, exact_products).items()},
               "outputs": f"{out_a} / {out_b}"}
