@@ -460,6 +460,47 @@ def exact_dot(x: torch.Tensor, y: torch.Tensor, dim: int = -1, method: str = "do
     return exact_matmul(xm, ym, method=method)[..., 0, 0]
 
 
+def exact_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Correctly rounded float64 ``F.linear(x, weight, bias) = x @ weight^T + bias``.
+
+    The bias is one more term of each dot product: ``[x, 1] @ [weight, bias]^T``, so the
+    sum of the ``K`` products and the bias is rounded once (:func:`exact_matmul`)."""
+    if bias is None:
+        return exact_matmul(x, weight.transpose(-1, -2))
+    x64, w64 = torch.as_tensor(x).double(), torch.as_tensor(weight).double()
+    ones = torch.ones(*x64.shape[:-1], 1, dtype=torch.float64)
+    return exact_matmul(torch.cat([x64, ones], -1), torch.cat([w64, torch.as_tensor(bias).double()[:, None]], -1).T)
+
+
+def exact_scaled_matmul(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor
+                        ) -> torch.Tensor:
+    """Correctly rounded float64 ``(a * scale_a) @ (b * scale_b)``: the exact result of a scaled
+    GEMM (``torch._scaled_mm``) with dequantization scales ``scale_a``/``scale_b`` broadcasting
+    against ``a`` (m, K) and ``b`` (K, n): a scalar (per-tensor), ``(m, 1)``/``(1, n)``
+    (rowwise). Every value must be an fp32 number (fp8/bf16/fp16/fp32 data and scales): then
+    each scaled operand (at most 24 + 24 significant bits) is exact in float64 and the products
+    of :func:`exact_matmul` are exact too. Block scales: expand them first
+    (:func:`ttrace_num.bounds.fp8.expand_scale`)."""
+    ops = {"a": a, "b": b, "scale_a": scale_a, "scale_b": scale_b}
+    vals = {n: torch.as_tensor(t).detach().to(torch.float64) for n, t in ops.items()}
+    for n, v in vals.items():
+        if not _fits_fp32(v.numpy()):
+            raise ValueError(f"exact_scaled_matmul: {n} holds values that are not fp32 numbers; the scaled operands "
+                             "would not be exact in float64 (pass fp8/bf16/fp16/fp32 data and fp32 scales)")
+    scaled = []
+    for x, s in (("a", "scale_a"), ("b", "scale_b")):
+        shape = tuple(vals[x].shape)
+        try:
+            ok = torch.broadcast_shapes(vals[s].shape, shape) == shape
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"exact_scaled_matmul: {s} of shape {tuple(vals[s].shape)} does not broadcast against "
+                             f"{x} {shape}; pass a scalar or rowwise scales ((m, 1) for a, (1, n) for b)")
+        scaled.append(vals[x] * vals[s])
+    return exact_matmul(*scaled)
+
+
 # ----------------------------------------------------------------------------- sums
 
 
