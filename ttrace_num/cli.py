@@ -23,6 +23,7 @@ from typing import Callable, Sequence
 import torch
 
 import ttrace_num as tn
+from .calibrate.distributions import DISTRIBUTIONS
 from .formats import FORMATS, get_format
 
 __all__ = ["main", "build_parser", "generate", "run_cli", "UsageError", "DISTRIBUTIONS", "EXIT_OK", "EXIT_DIVERGENT",
@@ -218,37 +219,6 @@ def cmd_formats(args: argparse.Namespace) -> int:
 
 
 # ----------------------------------------------------------------- tolerance
-def _dist_normal(shape, g):
-    return torch.randn(shape, generator=g, dtype=torch.float64)
-
-
-def _dist_uniform(shape, g):
-    return torch.rand(shape, generator=g, dtype=torch.float64) * 2 - 1
-
-
-def _dist_positive(shape, g):
-    return torch.randn(shape, generator=g, dtype=torch.float64).abs()
-
-
-def _dist_heavy(shape, g):
-    # Student t with 3 degrees of freedom: normal / sqrt(chi2_3 / 3)
-    z = torch.randn(shape, generator=g, dtype=torch.float64)
-    c = (torch.randn((3, *shape), generator=g, dtype=torch.float64) ** 2).sum(0) / 3
-    return z / c.sqrt()
-
-
-def _dist_activations(shape, g):
-    # activation-like: normal body with 0.1% outliers 100x larger (LLM outlier features)
-    x = torch.randn(shape, generator=g, dtype=torch.float64)
-    mask = torch.rand(shape, generator=g) < 1e-3
-    return torch.where(mask, x * 100, x)
-
-
-DISTRIBUTIONS: dict[str, Callable[[tuple[int, ...], torch.Generator], torch.Tensor]] = {
-    "normal": _dist_normal, "uniform": _dist_uniform, "positive": _dist_positive,
-    "heavy": _dist_heavy, "activations": _dist_activations,
-}
-
 _INT_TARGET_OPS = {"cross_entropy", "vocab_parallel_cross_entropy"}
 
 

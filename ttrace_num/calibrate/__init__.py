@@ -57,7 +57,8 @@ from ..bounds.base import Bound, Explanation
 from ..bounds.common import lookup, resolve_precision
 from ..bounds.fp8 import ScaledGemm
 from ..formats import FORMATS, FloatFormat, get_format
-from .ops import (ALL_OPS, QUANT_OPS, SPECS, CalibrationError, Draw, Setup, Shape, Supplied, op_shapes,
+from .distributions import DISTRIBUTIONS, Draw
+from .ops import (ALL_OPS, QUANT_OPS, SPECS, CalibrationError, Setup, Shape, Supplied, op_shapes,
                   shape_error, unsupported)
 from .plots import plot
 
@@ -293,7 +294,7 @@ def calibrate(fmt: "str | FloatFormat", ops: Iterable[str] | str = "all", *, rec
             bf16 for a bf16 model whose matmuls store bf16).
         samples: instances per op, split in halves: fit and held-out.
         seed: the only source of randomness (same arguments => identical result).
-        distributions: names from :data:`ttrace_num.cli.DISTRIBUTIONS`, used in turn.
+        distributions: names from :data:`ttrace_num.calibrate.distributions.DISTRIBUTIONS`, used in turn.
         tensors: instead of ``distributions``, instances cut from these tensors (the op's
             tensor arguments in order; see :mod:`ttrace_num.calibrate.ops`).
         shapes: op shape per op (``{"matmul": (64, 256, 64)}``), overriding the defaults.
@@ -303,7 +304,6 @@ def calibrate(fmt: "str | FloatFormat", ops: Iterable[str] | str = "all", *, rec
         keep: if given, filled with ``op -> per-instance ratios`` (for plots).
         origin: where ``tensors`` come from, for messages (e.g. the file name).
     """
-    from ..cli import DISTRIBUTIONS
     try:
         f, c = get_format(fmt), get_format(compute_fmt)
         o = get_format(out_fmt) if out_fmt is not None else c

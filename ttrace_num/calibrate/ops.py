@@ -55,6 +55,7 @@ from ..bounds.norms import default_layout
 from ..bounds.summation import Summation, conversion_exact
 from ..formats import FloatFormat, get_format
 from ..rounding import round_to
+from .distributions import Draw
 
 __all__ = ["CalibrationError", "Setup", "OpSpec", "SPECS", "ALL_OPS", "QUANT_OPS", "Supplied", "op_shapes",
            "shape_error", "storage_dtype", "unsupported"]
@@ -64,8 +65,6 @@ class CalibrationError(ValueError):
     """A calibration that cannot be trusted or cannot be built (the message says why)."""
 
 
-#: ``draw(shape, generator)``: float64 samples of a distribution
-Draw = Callable[[tuple[int, ...], torch.Generator], torch.Tensor]
 Shape = tuple[int, ...]
 
 
