@@ -17,8 +17,11 @@ from typing import Any
 import torch
 
 from . import bounds  # noqa: F401  (importing it registers every error model)
-from .bounds.base import Bound, Explanation
-from .bounds.common import lookup, op_names
+from .bounds.base import MODES, Bound, Explanation, check_mode
+from .bounds.common import lookup, op_names, resolve_precision
+from .bounds.statistical import DEFAULT_FALSE_ALARM, kernel_model, statistical_tolerance
+from .bounds.validity import VALIDITY_OPS
+from .bounds.validity import check as check_validity
 from .bounds.summation import Summation
 from .formats import FORMATS, FloatFormat, custom, get_format
 from .rounding import round_to
@@ -30,7 +33,8 @@ __all__ = ["tolerance", "difference", "ops", "Bound", "Explanation", "Summation"
 
 
 def tolerance(op: str, *inputs: torch.Tensor, fmt=None, compute_fmt=None,
-              mode: str = "deterministic", calibration=None, **op_kwargs: Any) -> Bound:
+              mode: str = "deterministic", calibration=None, false_alarm: float | None = None,
+              **op_kwargs: Any) -> Bound:
     """Elementwise bound on ``|computed - exact|`` for ``op`` applied to ``inputs``.
 
     Args:
@@ -42,8 +46,17 @@ def tolerance(op: str, *inputs: torch.Tensor, fmt=None, compute_fmt=None,
         fmt: storage format of the inputs (name, FloatFormat or torch dtype).
         compute_fmt: format of the accumulations/intermediates (default fp32 for formats
             narrower than fp32, else ``fmt``).
-        mode: ``"deterministic"`` (worst case) or ``"probabilistic"`` (per element, with
-            probability ``>= 1 - failure_probability``; pass ``failure_probability=``).
+        mode: ``"deterministic"`` (worst case), ``"probabilistic"`` (per element, with
+            probability ``>= 1 - failure_probability``; pass ``failure_probability=``) or
+            ``"statistical"`` (``z(false_alarm)`` standard deviations of the error expected
+            under an unknown summation order and random rounding: "is this difference
+            expected?", tight enough for fp32 kernels; ops in
+            :data:`~ttrace_num.bounds.statistical.STATISTICAL_OPS`, see
+            :mod:`ttrace_num.bounds.statistical`). In the probabilistic and statistical modes,
+            elements whose addends repeat (constant operands, equal logits) are charged for
+            those roundings deterministically or take the deterministic bound
+            (:mod:`ttrace_num.bounds.validity`; ``Bound.explain()`` says how many).
+        false_alarm: per-element false-alarm rate of ``mode="statistical"`` (default 1e-6).
         calibration: a :class:`~ttrace_num.calibrate.Calibration` or the path of a file from
             ``ttrace calibrate``: returns ``min(kappa * probabilistic bound, deterministic
             bound)`` (probabilistic mode only; see :mod:`ttrace_num.calibrate`).
@@ -54,10 +67,64 @@ def tolerance(op: str, *inputs: torch.Tensor, fmt=None, compute_fmt=None,
         :class:`Bound`; ``Bound.abs`` broadcasts to the op's output; ``Bound.explain()`` prints
         the formula, its source and the values used.
     """
+    check_mode(mode, MODES)
+    if false_alarm is not None and mode != "statistical":
+        raise ValueError(f"false_alarm is the rate of mode='statistical' (got mode={mode!r}); "
+                         "use failure_probability= with mode='probabilistic'")
     if calibration is not None:
+        if mode == "statistical":
+            raise ValueError("calibration applies to mode='probabilistic'; mode='statistical' takes no calibration")
         from .calibrate import apply_calibration
         return apply_calibration(op, inputs, calibration, fmt=fmt, compute_fmt=compute_fmt, mode=mode, **op_kwargs)
-    return lookup(op)(*inputs, fmt=fmt, compute_fmt=compute_fmt, mode=mode, **op_kwargs)
+    if mode == "statistical":
+        bound = statistical_tolerance(op, *inputs, fmt=fmt, compute_fmt=compute_fmt,
+                                      false_alarm=DEFAULT_FALSE_ALARM if false_alarm is None else false_alarm,
+                                      **op_kwargs)
+        det_kwargs = {**kernel_model(op, inputs), **op_kwargs}
+    else:
+        bound = lookup(op)(*inputs, fmt=fmt, compute_fmt=compute_fmt, mode=mode, **op_kwargs)
+        det_kwargs = op_kwargs
+    if mode == "deterministic" or _canonical(op) not in VALIDITY_OPS:
+        return bound
+    return _apply_validity(op, inputs, bound, fmt, compute_fmt, det_kwargs)
+
+
+def _canonical(op: str) -> str:
+    return {"mm": "matmul", "bmm": "matmul", "scaled_dot_product_attention": "attention", "sdpa": "attention"}.get(op, op)
+
+
+def _apply_validity(op: str, inputs: tuple, bound: Bound, fmt, compute_fmt, op_kwargs: dict[str, Any]) -> Bound:
+    """Elements whose addends repeat take ``min(bound + charge, deterministic bound)``
+    (:mod:`ttrace_num.bounds.validity`); the explanation says how many and why."""
+    prec = resolve_precision(tuple(t for t in inputs if isinstance(t, torch.Tensor)), fmt, compute_fmt,
+                             op_kwargs.get("out_fmt"))
+    kw = {k: v for k, v in op_kwargs.items() if k not in ("out_fmt", "failure_probability")}
+    v = check_validity(op, inputs, prec, kw, exp_ulps=float(op_kwargs.get("exp_ulps", 1.0)))
+    if v is None or not bool(v.marked.any()):
+        return bound
+    base = torch.broadcast_to(bound.abs, v.marked.shape) if bound.abs.dim() <= v.marked.dim() else bound.abs
+    det_kw = {k: x for k, x in op_kwargs.items() if k != "failure_probability"}
+    det = lookup(op)(*inputs, fmt=fmt, compute_fmt=compute_fmt, mode="deterministic", **det_kw).abs
+    det = torch.broadcast_to(det, base.shape)
+    marked = torch.broadcast_to(v.marked, base.shape)
+    charged = base + torch.broadcast_to(v.charge, base.shape)
+    fell_back = marked & (det <= charged)
+    new = torch.where(marked, torch.minimum(charged, det), base)
+    n_marked, n_back = int(marked.sum()), int(fell_back.sum())
+    note = Explanation(
+        op="validity (repeated addends)",
+        formula="r >= 2 (most frequent nonzero addend repeated r times): min(bound + r c u (1+theta) S, deterministic)",
+        source="ttrace_num.bounds.validity: repeated addends' roundings share a sign, so they are charged "
+               "deterministically; the other roundings keep the random model",
+        assumptions=(f"{n_marked} of {base.numel()} elements have repeated addends (largest multiplicity "
+                     f"{int(v.multiplicity.max())}) or a stagnating chain ({v.stagnating}): their roundings are not "
+                     f"mean-independent; {n_back} of them fell back to the deterministic bound",),
+        values={"charged": n_marked, "fell_back": n_back})
+    expl = Explanation(op=bound.explanation.op, formula=bound.explanation.formula, source=bound.explanation.source,
+                       assumptions=bound.explanation.assumptions, values=bound.explanation.values,
+                       terms=bound.explanation.terms + (note,))
+    return Bound(abs=new, mode=bound.mode, failure_probability=bound.failure_probability, explanation=expl,
+                 magnitude=bound.magnitude)
 
 
 def difference(op: str, *inputs: torch.Tensor, model_a: dict[str, Any], model_b: dict[str, Any],

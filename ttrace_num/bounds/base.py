@@ -8,7 +8,10 @@ under a stated computation model, either
 * **probabilistic** (holds for each element with probability at least
   ``1 - failure_probability`` under the model of Higham & Mary (2019): rounding
   errors are mean-independent random variables bounded by ``u``; exact for
-  stochastic rounding, an excellent model of round-to-nearest on non-pathological data).
+  stochastic rounding, an excellent model of round-to-nearest on non-pathological data), or
+* **statistical** (``z`` standard deviations of the error expected under an unknown
+  summation order and random round-to-nearest errors, with a per-element false-alarm rate
+  ``failure_probability``: :mod:`.statistical`; served by :func:`ttrace_num.tolerance`).
 
 ``abs`` is a float64 tensor broadcastable to the operator's output.
 """
@@ -20,17 +23,24 @@ from typing import Any, Literal, Mapping
 
 import torch
 
-Mode = Literal["deterministic", "probabilistic"]
-MODES = ("deterministic", "probabilistic")
+Mode = Literal["deterministic", "probabilistic", "statistical"]
+#: every mode :func:`ttrace_num.tolerance` accepts
+MODES = ("deterministic", "probabilistic", "statistical")
+#: the modes an op's own error model takes (``"statistical"`` is built by :mod:`.statistical`)
+OP_MODES = ("deterministic", "probabilistic")
 
 #: Default per-element failure probability of probabilistic bounds. With the
 #: Azuma-Hoeffding tail ``2 exp(-lambda**2 / 2)`` it gives ``lambda ~= 5.4``.
 DEFAULT_FAILURE_PROBABILITY = 1e-6
 
 
-def check_mode(mode: str) -> Mode:
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+def check_mode(mode: str, allowed: tuple[str, ...] = OP_MODES) -> Mode:
+    """``mode`` if it is one of ``allowed`` (default: the modes of an op's own error model),
+    else a ``ValueError`` saying which modes exist and where ``"statistical"`` is served."""
+    if mode not in allowed:
+        hint = ("; mode='statistical' is served by ttrace_num.tolerance(op, ..., mode='statistical')"
+                if mode == "statistical" else "")
+        raise ValueError(f"mode must be one of {allowed}, got {mode!r}{hint}")
     return mode  # type: ignore[return-value]
 
 
@@ -96,7 +106,7 @@ class Bound:
 
     Attributes:
         abs: float64 tensor, broadcastable to the output.
-        mode: ``"deterministic"`` or ``"probabilistic"``.
+        mode: ``"deterministic"``, ``"probabilistic"`` or ``"statistical"``.
         failure_probability: per-element probability that the bound fails under the
             model (0 for deterministic bounds).
         explanation: formula, source and values; see :meth:`explain`.
@@ -118,7 +128,9 @@ class Bound:
     def explain(self) -> str:
         """Human-readable derivation: formula, source, assumptions and plugged-in values."""
         head = f"[{self.mode}" + (f", per-element failure probability <= {self.failure_probability:.3g}]"
-                                  if self.mode == "probabilistic" else "]")
+                                  if self.mode == "probabilistic" else
+                                  f", per-element false-alarm rate <= {self.failure_probability:.3g}]"
+                                  if self.mode == "statistical" else "]")
         return head + "\n" + self.explanation.render()
 
     def max(self) -> float:
@@ -167,7 +179,8 @@ class Bound:
     # ----------------------------------------------------------- composition
     def __add__(self, other: "Bound") -> "Bound":
         """Triangle inequality: the sum of two error bounds bounds the sum of the errors."""
-        mode: Mode = "probabilistic" if "probabilistic" in (self.mode, other.mode) else "deterministic"
+        mode: Mode = next((m for m in ("statistical", "probabilistic") if m in (self.mode, other.mode)),
+                          "deterministic")
         return Bound(
             abs=self.abs + other.abs,
             mode=mode,
