@@ -225,6 +225,8 @@ from .summation import (
 __all__ = [
     "ALGORITHMS",
     "EXP_U20_ULPS",
+    "GPU_BLOCK_SIZES",
+    "GPU_EXP_ULPS",
     "AttentionGrads",
     "attention",
     "attention_backward",
@@ -250,6 +252,20 @@ ALGORITHMS = ("standard", "online")
 #: the ``2 min_normal`` term). Glibc ``expf`` (the scalar tail, the rescale factors) and SLEEF's
 #: ``expf_u10`` (the backward's recomputation) are within 1 ulp.
 EXP_U20_ULPS = 3.25
+
+#: Accuracy of the exp/exp2 of NVIDIA GPU kernels in ulps: ``expf`` and ``exp2f`` are documented to
+#: 2 ulps over the full range (CUDA C++ Programming Guide, "Mathematical Functions", single
+#: precision); FlashAttention-2/3 and the memory-efficient kernel call ``exp2f`` (results flushed
+#: below the normal range with ``-ftz``: covered by the ``2 min_normal`` term). Documented, not
+#: measured here (no GPU): ``bench/`` validates it on a CUDA machine.
+GPU_EXP_ULPS = 2.0
+
+#: Key-block sizes of the GPU online-softmax kernels the default model covers: FlashAttention-2
+#: (``kBlockN`` 32, 64 or 128 by head dimension and architecture, ``csrc/flash_attn/src/
+#: flash_fwd_launch_template.h``) and the memory-efficient kernel (``kKeysPerBlock`` 64 or 128).
+#: FlashAttention-3's other sizes (e.g. 80, 176) must be stated (``algorithm="online",
+#: block_size=...``).
+GPU_BLOCK_SIZES = (32, 64, 128)
 
 _U64 = 2.0 ** -53
 #: final slack on a bound evaluated in float64 from float64 statistics (sums of <= 2^30
@@ -331,6 +347,7 @@ class _Model:
     algorithm: str
     block: int
     exp_ulps: float
+    exp2: bool = False       # exp2-based shift (GPU kernels: exp2f(s c2 - fl(m c2)), module docstring)
 
     @property
     def c(self) -> FloatFormat:
@@ -354,12 +371,12 @@ class _Model:
     def describe(self) -> str:
         s = (f"{self.algorithm}" + (f" (key blocks of {self.block})" if self.algorithm == "online" else "")
              + f"; {self.prec.describe()}; scores in {self.sf}; P rounded to {self.pf} before P V; "
-             f"exp within {self.exp_ulps:g} ulp")
+             f"exp within {self.exp_ulps:g} ulp" + (" (exp2 of a scaled argument)" if self.exp2 else ""))
         return s
 
 
 def _model(inputs, fmt, compute_fmt, out_fmt, score_fmt, p_fmt, algorithm: str, block_size: int,
-           exp_ulps: float) -> _Model:
+           exp_ulps: float, exp2: bool = False) -> _Model:
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {ALGORITHMS}, not {algorithm!r}")
     if block_size < 1:
@@ -367,7 +384,7 @@ def _model(inputs, fmt, compute_fmt, out_fmt, score_fmt, p_fmt, algorithm: str, 
     prec = resolve_precision(inputs, fmt, compute_fmt, out_fmt)
     sf = get_format(score_fmt) if score_fmt is not None else prec.compute
     pf = get_format(p_fmt) if p_fmt is not None else prec.compute
-    return _Model(prec, sf, pf, algorithm, int(block_size), float(exp_ulps))
+    return _Model(prec, sf, pf, algorithm, int(block_size), float(exp_ulps), bool(exp2))
 
 
 def torch_cpu_sdpa_model(query: torch.Tensor, backward: bool = False) -> dict:
@@ -398,6 +415,7 @@ class _Scores:
     fixed: torch.Tensor    # deterministic, non-martingale part (float64 slack, underflow)
     eps_sc: float          # common relative error of the scale constant
     depths: Depths
+    ovf: torch.Tensor      # a rounding of this (negative) score may overflow to -inf: delta holds only if it does not
 
 
 def _scores(pb: _Problem, md: _Model) -> _Scores:
@@ -418,20 +436,34 @@ def _scores(pb: _Problem, md: _Model) -> _Scores:
     var = ((1 + th) * (1 + eps_sc) * sg * sabs) ** 2
     fixed = f64err + eta
     delta = lin + eps_sc * sdot.abs() + fixed
+    ovf = torch.zeros_like(s, dtype=torch.bool)
     if pb.add is not None:
-        hm = half_ulp(s.abs() + delta, c)
+        hm, ovf = _rounding_below_overflow(s.abs() + delta, c, ovf)
         delta, var, lin = delta + hm, var + hm ** 2, lin + hm
     if not conversion_exact(c, sf):
         n_sf = 2 + (pb.add is not None)
         z = torch.maximum(s.abs(), sdot.abs())  # the product is rounded before the mask is added
         for _ in range(n_sf):
-            r = sf.u * (z + delta)
+            r, ovf = _rounding_below_overflow(z + delta, sf, ovf, relative=True)
             delta, var = delta + r, var + r ** 2
+    delta = torch.where(ovf & (s >= 0), torch.full_like(delta, math.inf), delta)  # +inf score: no claim
     blk = pb.blocked.expand_as(s)
     s = torch.where(blk, torch.full_like(s, -math.inf), s)
     zero = torch.zeros_like(delta)
     return _Scores(s, sdot, torch.where(blk, zero, delta), torch.where(blk, zero, var),
-                   torch.where(blk, zero, fixed), eps_sc, depths)
+                   torch.where(blk, zero, fixed), eps_sc, depths, ovf & ~blk & (s < 0))
+
+
+def _rounding_below_overflow(mag: torch.Tensor, f: FloatFormat, ovf: torch.Tensor, relative: bool = False
+                             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Error bound of one rounding to ``f`` of a value of magnitude ``<= mag`` *if it does not overflow*
+    (``|x| < max + hu(max)`` rounds to at most ``max``: error ``<= hu_f(max)``), and the updated mask of
+    values whose rounding may overflow (``mag >= max (1 + u_f)``; then the result is ``+-inf`` and the
+    bound does not hold: :func:`_weights` keeps such a score only where it is dead, i.e. where a
+    ``-inf`` score gives the same weight 0)."""
+    m = mag.clamp(max=f.max)
+    r = f.u * m if relative else half_ulp(m, f)
+    return r, ovf | (mag >= f.max * (1 + f.u))
 
 
 # ----------------------------------------------------------------------------- weights
@@ -498,6 +530,11 @@ def _weights(sc: _Scores, md: _Model) -> _Weights:
     blocked = ~torch.isfinite(s)
     tj = torch.arange(Lk) // b
     mrun = torch.cummax(_blockify(s, T, b, -math.inf).max(-1).values, dim=-1).values  # (..., Lq, T)
+    # keys that can attain neither the exact nor the computed running max of their block (module
+    # docstring, "Dead keys"): every computed running max is >= max_{k in blocks <= t} (s_k - Delta_k)
+    mlow = torch.cummax(_blockify(s - sc.delta, T, b, -math.inf).max(-1).values, dim=-1).values
+    cand = ~blocked & (s + sc.delta < mlow[..., tj])
+    d_live = torch.where(cand, torch.zeros_like(s), sc.delta)
     M = mrun[..., -1:]
     valid = torch.isfinite(M)
     M = torch.where(valid, M, torch.zeros_like(M))
@@ -511,20 +548,36 @@ def _weights(sc: _Scores, md: _Model) -> _Weights:
     L = M + torch.log(W)
     mt = torch.where(torch.isfinite(mrun), mrun, torch.zeros_like(mrun))
     a_loc = torch.where(blocked, zero, s - mt[..., tj])
-    drun = torch.cummax(_blockify(sc.delta, T, b, 0.0).max(-1).values, dim=-1).values  # (..., Lq, T)
+    drun = torch.cummax(_blockify(d_live, T, b, 0.0).max(-1).values, dim=-1).values  # (..., Lq, T)
     dt = drun[..., tj]
-    h = torch.where(blocked, zero, half_ulp((a_loc.abs() + sc.delta + dt) * (1 + 4 * _U64), c))
+    arg = (a_loc.abs() + sc.delta + dt) * (1 + 4 * _U64)
+    if md.exp2:  # fl(s c2) (unfused), fl(m c2), the subtraction: u_c at |s|, |m_t|, |s - m_t| (natural units)
+        h = c.u * (arg + (s.abs() + mt[..., tj].abs() + 2 * (sc.delta + dt)) * (1 + 4 * _U64))
+    else:
+        h = half_ulp(arg, c)
+    h = torch.where(blocked, zero, h)
+    # dead: the computed exp argument is <= X = a_loc + Delta + dt + u_c (|a_loc| + ...) (+ the exp2 terms)
+    # <= log(min_normal): the computed weight and the exact one both lie in [0, min_normal (1 + c_e)]
+    x_up = a_loc + sc.delta + dt + c.u * arg
+    if md.exp2:
+        x_up = x_up + c.u * (s.abs() + mt[..., tj].abs() + 2 * (sc.delta + dt)) * (1 + 4 * _U64)
+    dead = cand & (x_up <= math.log(c.min_normal))
+    h = torch.where(dead, zero, h)  # a dead key's whole error is absolute (eta_w below)
+    live_ovf = (sc.ovf & ~dead).any(-1, keepdim=True)  # a live score may overflow: no finite claim on the row
     cu = md.cu
     # rescale factors alpha_r = exp(fl(m_{r-1} - m_r)), r >= 1, when m_{r-1} is finite
     fin_prev = torch.isfinite(mrun[..., :-1])
     dm = torch.where(fin_prev, mrun[..., 1:] - mrun[..., :-1], torch.zeros_like(mrun[..., 1:]))
-    h_a = torch.where(fin_prev, half_ulp(dm + 2 * drun[..., 1:], c), torch.zeros_like(dm))
+    dm_up = dm + 2 * drun[..., 1:]
+    # exp2 kernels: fl(fl(m_prev - m_cur) c2): two roundings at |dm| (natural units)
+    h_a = torch.where(fin_prev, 2 * c.u * dm_up if md.exp2 else half_ulp(dm_up, c), torch.zeros_like(dm))
     cu_a = torch.where(fin_prev, torch.full_like(dm, cu), torch.zeros_like(dm))
     pad0 = torch.zeros_like(mrun[..., :1])
     h_a, cu_a = torch.cat([pad0, h_a], -1), torch.cat([pad0, cu_a], -1)
     per = h_a + torch.where(cu_a > 0, torch.full_like(cu_a, _L(cu)), torch.zeros_like(cu_a))
     A = per.flip(-1).cumsum(-1).flip(-1) - per  # sum over r > t
-    lam = torch.where(blocked, zero, sc.delta + h + _L(cu) + A[..., tj])
+    lam = torch.where(blocked | dead, zero, sc.delta + h + _L(cu) + A[..., tj])
+    lam = torch.where(live_ovf & ~blocked, torch.full_like(lam, math.inf), lam)
     lam_max = lam.max(-1, keepdim=True).values
     J = torch.where(valid, torch.minimum(softmax_perturbation(pu, lam, -1), _peaked_perturbation(w, W, pu, lam, lam_max)),
                     zero)
@@ -684,12 +737,31 @@ def _mask_kwargs(attn_mask, mask, is_causal, causal):
     return attn_mask, mask, bool(is_causal or causal)
 
 
+def _kernel_models(inputs, fmt, compute_fmt, out_fmt, score_fmt, Lk: int) -> list[_Model]:
+    """The default model of :func:`attention`: one model per kernel it covers (module docstring,
+    "Default: the kernels torch runs"), duplicates (same blocks for this ``Lk``) removed."""
+    math_backend = _model(inputs, fmt, compute_fmt, out_fmt, score_fmt, None, "standard", 128, GPU_EXP_ULPS)
+    st = math_backend.prec.storage
+    members = [math_backend,
+               _model(inputs, fmt, compute_fmt, out_fmt, score_fmt, st, "online", 512, EXP_U20_ULPS)]
+    members += [_model(inputs, fmt, compute_fmt, out_fmt, score_fmt, st, "online", b, GPU_EXP_ULPS, exp2=True)
+                for b in GPU_BLOCK_SIZES]
+    out, seen = [], set()
+    for md in members:
+        key = (md.algorithm, md.blocks(Lk), md.exp_ulps, md.exp2)
+        if key not in seen:
+            seen.add(key)
+            out.append(md)
+    return out
+
+
 @register("attention", "scaled_dot_product_attention", "sdpa")
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: torch.Tensor | None = None,
               mask: torch.Tensor | None = None, is_causal: bool = False, causal: bool = False,
-              scale: float | None = None, enable_gqa: bool = False, algorithm: str = "standard",
-              block_size: int = 128, fmt=None, compute_fmt=None, out_fmt=None, score_fmt=None, p_fmt=None,
-              exp_ulps: float = 1.0, mode: str = "deterministic", failure_probability: float | None = None) -> Bound:
+              scale: float | None = None, enable_gqa: bool = False, algorithm: str | None = None,
+              block_size: int | None = None, fmt=None, compute_fmt=None, out_fmt=None, score_fmt=None, p_fmt=None,
+              exp_ulps: float | None = None, mode: str = "deterministic",
+              failure_probability: float | None = None) -> Bound:
     """Elementwise bound on ``|O_hat - O|`` for ``O = softmax(scale q k^T + mask) v`` (module docstring).
 
     Args:
@@ -697,37 +769,58 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask: t
             taken exactly); ``Hq = Hkv`` unless ``enable_gqa`` (grouped heads, torch's
             ``repeat_interleave`` semantics).
         attn_mask: as ``torch.nn.functional.scaled_dot_product_attention``: bool (**True =
-            attend**) or an additive float mask (``-inf`` entries are masked out exactly).
+            attend**) or an additive float mask (``-inf`` entries are masked out exactly; very
+            negative finite entries such as ``-1e9`` or ``finfo.min`` give dead keys: module
+            docstring). Not together with ``is_causal`` (torch rejects it too).
         mask: the same with the opposite boolean convention (**True = masked out**); give at
-            most one of ``attn_mask``/``mask``.
+            most one of ``attn_mask``/``mask``; ``mask`` may be combined with ``causal``.
         is_causal / causal: top-left causal mask (key ``j`` attends query ``i`` iff ``j <= i``).
-        scale: default ``1/sqrt(d)`` (exact value).
-        algorithm: ``"standard"`` (materialised softmax) or ``"online"`` (flash, key blocks
-            of ``block_size``).
+        scale: default ``1/sqrt(d)`` (exact value); a finite number otherwise.
+        algorithm: ``None`` (default): the union of the kernels torch and the GPU libraries run
+            (the elementwise maximum of the bounds of :func:`_kernel_models`: the math backend,
+            torch's CPU flash kernel, FlashAttention-2 and the memory-efficient kernel with their
+            key blocks, ``P`` rounded to the input dtype, their exp). ``"standard"``
+            (materialised softmax) or ``"online"`` (flash, key blocks of ``block_size``, default
+            128) states one kernel exactly, and tighter (:func:`torch_cpu_sdpa_model`).
         fmt / compute_fmt / out_fmt: storage, compute (default fp32 for narrower storage)
             and output formats; ``score_fmt``: format of the stored scores (default compute);
-            ``p_fmt``: format ``P`` is rounded to before ``P V`` (default compute; flash
-            kernels use the input dtype: :func:`torch_cpu_sdpa_model`).
-        exp_ulps: accuracy of the compute format's exp (default 1; torch CPU flash:
-            :data:`EXP_U20_ULPS`).
+            ``p_fmt``: format ``P`` is rounded to before ``P V`` (with a stated ``algorithm``:
+            default compute; flash kernels use the input dtype).
+        exp_ulps: accuracy of the compute format's exp (with a stated ``algorithm``: default 1;
+            torch CPU flash: :data:`EXP_U20_ULPS`).
 
     Fully masked rows: the output is defined as 0 (torch's convention) and the bound is 0.
     """
     attn_mask, mask, causal = _mask_kwargs(attn_mask, mask, is_causal, causal)
-    md = _model((q, k, v), fmt, compute_fmt, out_fmt, score_fmt, p_fmt, algorithm, block_size, exp_ulps)
     ms = resolve_mode(mode, failure_probability)
     pb = _problem(q, k, v, attn_mask, mask, causal, scale, enable_gqa)
-    sc = _scores(pb, md)
-    wt = _weights(sc, md)
-    bound, mag, values = _forward(pb, md, sc, wt, ms.mode, ms.lam)
-    values.update(model=md.describe(), scale=pb.scale)
+    if algorithm is None and block_size is None and p_fmt is None and exp_ulps is None:
+        models = _kernel_models((q, k, v), fmt, compute_fmt, out_fmt, score_fmt, pb.Lk)
+    else:
+        models = [_model((q, k, v), fmt, compute_fmt, out_fmt, score_fmt, p_fmt, algorithm or "standard",
+                         128 if block_size is None else block_size, 1.0 if exp_ulps is None else exp_ulps)]
+    sc = _scores(pb, models[0])  # the scores depend on the formats only, shared by every member
+    bound = mag = values = None
+    for md in models:
+        b, m, vals = _forward(pb, md, sc, _weights(sc, md), ms.mode, ms.lam)
+        if bound is None or len(models) == 1:
+            bound, mag, values = b, m, vals
+        else:
+            bound, mag = torch.maximum(bound, b), torch.maximum(mag, m)
+    described = "; or ".join(md.describe() for md in models)
+    values.update(model=described, scale=pb.scale)
     formula = ("E1 + normalisation + P rounding + P V accumulation (module docstring), E1 = min_c |p' - p| @ |V - c| "
                "with |p' - p| <= softmax perturbation bound of Lam = Delta_score + h + L(c_e) [+ rescales]; "
                "+ hu_out(|O| + E)")
+    if len(models) > 1:
+        formula = "max over the kernels of: " + formula
     if ms.mode == "probabilistic":
         formula += "; or lambda sqrt(sum of squared predictable coefficients) + second-order remainder, if smaller"
-    assumptions = [md.describe(), "inputs exact as stored; any summation order in every sum",
-                   "fully masked rows: output defined as 0 (bound 0)"]
+    assumptions = [("any of: " if len(models) > 1 else "") + described,
+                   "inputs exact as stored; any summation order in every sum",
+                   "fully masked rows: output defined as 0 (bound 0)",
+                   "dead keys (weight below the compute format's min normal in every correct computation): "
+                   "absolute error only"]
     if ms.mode == "probabilistic":
         assumptions.append("rounding and exp errors mean-independent in the stated topological order "
                            "(Higham-Mary model)")
