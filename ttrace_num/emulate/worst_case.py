@@ -1,0 +1,193 @@
+r"""Worst-case rounding emulation: executions of the computation models that *attain* the bounds.
+
+The deterministic bounds of :mod:`ttrace_num.bounds` hold for every rounding the model
+allows: ``fl_f(t) = t (1 + delta)`` with ``|delta| <= u_f`` (Higham 2002, §2.2, model (2.4)),
+or its half-ulp refinement ``|fl_f(t) - t| <= half_ulp_f(t)`` where a bound uses that
+(output roundings, the last ``fl_c`` of softmax), an exp/log within ``k`` ulps, i.e. a
+relative error ``<= 2 k u``. An emulation that at every rounding applies the *largest*
+allowed error, in the direction that increases the final error, is therefore a legitimate
+execution of the model: a correct bound is never below its error, and a bound that is
+first-order tight is attained by it up to ``1 + O(n u)``. A bound that lost a term, or
+whose constant shrank by 1%, falls below it on inputs where that term matters: this is
+what the sharp tests (``tests/test_sharp_*.py``) and the mutation check
+(``bench/mutation.py``) use it for.
+
+Everything is evaluated in float64 on values carried exactly by the model (``t (1 + u)``
+is not a number of the format: the model only states the size of the error, and the
+emulation is an execution of the *model*, not of a floating-point unit). The float64
+evaluation itself errs by ``~2^-53`` relative per operation, ``2^-29`` of an fp32 rounding
+(``u = 2^-24``): negligible against the 1% the tests resolve.
+
+``sign = +1`` rounds every value up in magnitude (``t (1 + u)``), ``-1`` down: for a sum of
+positive terms rounding every node up maximises the error (identity (1) of
+:mod:`ttrace_num.bounds.summation`: ``error = sum_v delta_v s'_v``, every ``s'_v > 0``).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..bounds.summation import Summation, conversion_exact, products_exact
+from ..formats import FloatFormat, get_format, half_ulp
+from ..rounding import round_to
+
+__all__ = ["rel_round", "half_ulp_round", "worst_sum", "worst_matmul", "worst_softmax", "worst_log_softmax",
+           "worst_quantize"]
+
+
+def rel_round(t: torch.Tensor, fmt: FloatFormat, sign: float | torch.Tensor) -> torch.Tensor:
+    """``t (1 + sign u_f)``: the largest relative rounding error the model allows (``|sign| <= 1``)."""
+    return t * (1.0 + sign * get_format(fmt).u)
+
+
+def half_ulp_round(t: torch.Tensor, fmt: FloatFormat, sign: float | torch.Tensor) -> torch.Tensor:
+    """``t + sign half_ulp_f(t)``: the largest round-to-nearest error at ``t`` (half-ulp model)."""
+    return t + sign * half_ulp(t, get_format(fmt))
+
+
+def _tree(x: torch.Tensor, algorithm: str, block: int, fmt: FloatFormat, sign: float) -> torch.Tensor:
+    """Sum along the last dim with the tree of ``algorithm`` (as :mod:`.summation` emulates it),
+    every addition rounded by :func:`rel_round`."""
+    n = x.shape[-1]
+    if n == 1:
+        return x[..., 0]
+    if algorithm == "recursive":
+        s = x[..., 0]
+        for k in range(1, n):
+            s = rel_round(s + x[..., k], fmt, sign)
+        return s
+    if algorithm == "pairwise":
+        while x.shape[-1] > 1:
+            m = x.shape[-1] // 2 * 2
+            pairs = rel_round(x[..., 0:m:2] + x[..., 1:m:2], fmt, sign)
+            x = torch.cat([pairs, x[..., m:]], -1)
+        return x[..., 0]
+    if algorithm == "blocked":
+        sums = [_tree(x[..., i:i + block], "recursive", block, fmt, sign) for i in range(0, n, block)]
+        return _tree(torch.stack(sums, -1), "recursive", block, fmt, sign)
+    raise ValueError(f"unknown summation algorithm {algorithm!r}")
+
+
+def worst_sum(x: torch.Tensor, summation: Summation, sign: float = 1.0, exact_terms: bool = True) -> torch.Tensor:
+    """The sum of ``x`` (float64) along its last dim under ``summation`` (order, split and
+    reduction as :func:`ttrace_num.emulate.summation.emulate_sum`), every rounding the
+    model counts (the terms' rounding into ``accum`` unless ``exact_terms``, every node of
+    the parts' trees, the conversion of the partials to ``reduce_fmt`` when inexact, every
+    node of the reduction) applied as ``t (1 + sign u)``."""
+    x = x.to(torch.float64)
+    if not exact_terms:
+        x = rel_round(x, summation.accum, sign)
+    n = x.shape[-1]
+    ps = summation.part_size(n)
+    partials = [_tree(x[..., i:i + ps], summation.algorithm, summation.block, summation.accum, sign)
+                for i in range(0, n, ps)]
+    if len(partials) == 1:
+        return partials[0]
+    rf = summation.reduce_fmt or summation.accum
+    p = torch.stack(partials, -1)
+    if not conversion_exact(summation.accum, rf):
+        p = rel_round(p, rf, sign)
+    return _tree(p, summation.reduce_algorithm, summation.block, rf, sign)
+
+
+def worst_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None, *,
+                 summation: Summation | None = None, fmt=None, out_fmt=None, sign: float = 1.0) -> torch.Tensor:
+    """``A @ B (+ bias)`` (2-D) under the matmul model of :func:`ttrace_num.bounds.matmul.matmul`,
+    every rounding at its largest error in direction ``sign``: the products (when not exact
+    in the accumulator), the summation tree, the output rounding (half-ulp, when the final
+    format does not convert exactly to ``out_fmt``). For non-negative ``A``, ``B`` and ``sign =
+    +1`` this is the largest error the model allows for that order."""
+    storage = get_format(fmt if fmt is not None else a.dtype)
+    summ = summation if summation is not None else Summation()
+    out = get_format(out_fmt if out_fmt is not None else a.dtype)
+    terms = a.to(torch.float64)[:, None, :] * b.to(torch.float64).T[None, :, :]
+    if bias is not None:
+        terms = torch.cat([terms, bias.to(torch.float64).expand(terms.shape[:2])[..., None]], -1)
+    y = worst_sum(terms, summ, sign, exact_terms=products_exact(storage, summ.accum))
+    return y if conversion_exact(summ.final_fmt, out) else half_ulp_round(y, out, sign)
+
+
+def _exp_terms(a: torch.Tensor, h: torch.Tensor, cu: float, sign: torch.Tensor) -> torch.Tensor:
+    """``exp_c(fl_c(a))`` at its largest error in direction ``sign`` (per element): the
+    argument off by ``sign h`` (its half-ulp rounding), the exp off by ``sign c_exp u``."""
+    return torch.exp(a + sign * h) * (1.0 + sign * cu)
+
+
+def _shifted(x: torch.Tensor, c: FloatFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a, h)``: ``a = x - max`` (float64, exact for the inputs used) and the half-ulp of its
+    rounding to ``c`` (0 where ``a`` is representable in ``c``)."""
+    x = x.to(torch.float64)
+    a = x - x.max(-1, keepdim=True).values
+    h = torch.where(round_to(a, c) == a, torch.zeros_like(a), half_ulp(a, c))
+    return a, h
+
+
+def worst_softmax(x: torch.Tensor, *, compute_fmt="fp32", out_fmt="fp32", summation: Summation | None = None,
+                  division: str = "reciprocal", exp_ulps: float = 1.0) -> torch.Tensor:
+    """Per element ``i`` of each row (last dim), the largest ``softmax_hat_i - y_i`` the model of
+    :func:`ttrace_num.bounds.softmax.softmax` allows (no underflowing exp): ``e_i`` rounded up
+    (argument ``+h_i``, exp ``+c_exp u``), every other ``e_j`` down, the row sum's every node
+    down (``1 - u``), ``fl(1/s)`` up (``"reciprocal"``), the product ``e_i r`` up by
+    ``half_ulp_c`` and the output up by ``half_ulp_out``. One emulated row per element (the
+    directions depend on ``i``): rows of ``n`` entries cost ``n^2`` exps."""
+    c, out = get_format(compute_fmt), get_format(out_fmt)
+    summ = summation if summation is not None else Summation(accum=c)
+    a, h = _shifted(x, c)
+    n = a.shape[-1]
+    sign = 2.0 * torch.eye(n, dtype=torch.float64) - 1.0          # row i: +1 at i, -1 elsewhere
+    e = _exp_terms(a[..., None, :], h[..., None, :], 2.0 * exp_ulps * c.u, sign)  # (..., i, j)
+    s = worst_sum(e, summ, -1.0)                                  # (..., i)
+    ei = torch.diagonal(e, dim1=-2, dim2=-1)
+    if division == "reciprocal":
+        p = ei * (rel_round(1.0 / s, c, 1.0))
+    elif division == "divide":
+        p = ei / s
+    else:
+        raise ValueError(f"division must be 'reciprocal' or 'divide', not {division!r}")
+    yc = half_ulp_round(p, c, 1.0)
+    return yc if conversion_exact(c, out) else half_ulp_round(yc, out, 1.0)
+
+
+def worst_log_softmax(x: torch.Tensor, *, compute_fmt="fp32", out_fmt="fp32", stats_fmt="fp32",
+                      summation: Summation | None = None, exp_ulps: float = 1.0, log_ulps: float = 1.0
+                      ) -> torch.Tensor:
+    """Per element, the largest ``log_softmax_hat_i - (a_i - L)`` of the model of
+    :func:`ttrace_num.bounds.softmax.log_softmax` (no underflowing exp): the argument ``t_i``
+    up by ``h_i`` and every other ``t_j`` down, every exp down, the row sum's every node
+    down, its conversion to ``stats_fmt`` down, ``log`` down by ``c_log u``, its rounding to
+    ``stats_fmt`` down by ``half_ulp``, then ``t_i - L_hat`` up by ``half_ulp_c`` and the output
+    up by ``half_ulp_out``."""
+    c, out, st = get_format(compute_fmt), get_format(out_fmt), get_format(stats_fmt)
+    summ = summation if summation is not None else Summation(accum=c)
+    a, h = _shifted(x, c)
+    n = a.shape[-1]
+    targ = 2.0 * torch.eye(n, dtype=torch.float64) - 1.0           # argument directions for target i
+    e = torch.exp(a[..., None, :] + targ * h[..., None, :]) * (1.0 - 2.0 * exp_ulps * c.u)
+    s = worst_sum(e, summ, -1.0)
+    if not conversion_exact(c, st):
+        s = rel_round(s, st, -1.0)
+    lg = torch.log(s) * (1.0 - 2.0 * log_ulps * c.u)
+    if not conversion_exact(c, st):
+        lg = half_ulp_round(lg, st, -1.0)
+    t = a + h                                                      # t_i rounded up
+    r = t - lg
+    yc = r + half_ulp(r, c)                                        # r > ... : up = towards +inf
+    y = yc if conversion_exact(c, out) else yc + half_ulp(yc, out)
+    return y
+
+
+def worst_quantize(x: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor, fmt, *, compute_fmt="fp32",
+                   out_fmt=None) -> torch.Tensor:
+    """``x' = fl_out(fl_c(q s_inv))``, ``q = RN_fmt(fl_c(x s))``, every rounding at its largest
+    error away from zero (``x >= 0`` assumed; saturating at ``fmt.max``): ``x s`` up by
+    ``half_ulp_c``, the element rounding up by ``half_ulp_fmt`` (what a tie or a value just
+    below a midpoint gives), the dequantization up by ``half_ulp_c``, the output up. The
+    model of :func:`ttrace_num.bounds.fp8.quantize` (``dequant="scale_inv"``), for non-saturating
+    elements."""
+    f, c = get_format(fmt), get_format(compute_fmt)
+    out = get_format(out_fmt) if out_fmt is not None else c
+    t = x.to(torch.float64) * scale
+    t = torch.where(t == round_to(t, c), t, half_ulp_round(t, c, 1.0))
+    q = half_ulp_round(t, f, 1.0)
+    d = q * scale_inv
+    d = torch.where(d == round_to(d, c), d, half_ulp_round(d, c, 1.0))
+    return d if conversion_exact(c, out) else half_ulp_round(d, out, 1.0)
