@@ -310,12 +310,58 @@ def _expand_kv(q: torch.Tensor, t: torch.Tensor, enable_gqa: bool) -> tuple[torc
     return t.repeat_interleave(hq // hk, dim=-3), hq // hk
 
 
+def _validate(q, k, v, attn_mask, mask, scale) -> None:
+    """Clear errors for arguments torch's ``scaled_dot_product_attention`` rejects (or that have no
+    meaning here), before any computation."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"attention: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() < 2:
+            raise ValueError(f"attention: {name} must be at least 2-D (..., L, d), got shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"attention: q, k, v have dtypes {q.dtype}, {k.dtype}, {v.dtype}; torch's "
+                         "scaled_dot_product_attention requires one dtype: cast them to the dtype the kernel runs in")
+    if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2] or k.dim() != v.dim():
+        raise ValueError(f"attention: shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit "
+                         "(need q (..., Lq, d), k (..., Lk, d), v (..., Lk, dv))")
+    if k.dim() >= 3 and k.shape[:-2] != v.shape[:-2]:
+        raise ValueError(f"attention: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same batch and head dims")
+    try:
+        torch.broadcast_shapes(q.shape[:-3], k.shape[:-3])
+    except RuntimeError:
+        raise ValueError(f"attention: batch dims of q {tuple(q.shape)} and k {tuple(k.shape)} do not broadcast") from None
+    if attn_mask is not None and mask is not None:
+        raise ValueError("attention: pass either attn_mask (torch SDPA: bool True = attend) or mask (bool True = "
+                         "masked out), not both")
+    m = attn_mask if attn_mask is not None else mask
+    if m is not None:
+        name = "attn_mask" if attn_mask is not None else "mask"
+        if not isinstance(m, torch.Tensor):
+            raise TypeError(f"attention: {name} must be a torch.Tensor (bool or floating), got {type(m).__name__}")
+        if m.dtype != torch.bool and not m.dtype.is_floating_point:
+            raise TypeError(f"attention: {name} must be bool or floating (additive), got {m.dtype}")
+        out_shape = torch.broadcast_shapes(q.shape[:-3], k.shape[:-3]) + q.shape[-3:-2] + (q.shape[-2], k.shape[-2])
+        try:
+            ok = torch.broadcast_shapes(m.shape, out_shape) == out_shape
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"attention: {name} of shape {tuple(m.shape)} does not broadcast to the scores' shape "
+                             f"{tuple(out_shape)} (..., Lq, Lk)")
+    if scale is not None:
+        try:
+            if isinstance(scale, (bool, complex)):
+                raise TypeError
+            scale = float(scale)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"attention: scale must be a real number or None, got {scale!r}") from None
+        if not math.isfinite(scale):
+            raise ValueError(f"attention: scale must be finite, got {scale}")
+
+
 def _problem(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask, mask, is_causal: bool, scale,
              enable_gqa: bool) -> _Problem:
-    if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
-        raise ValueError(f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit attention")
-    if attn_mask is not None and mask is not None:
-        raise ValueError("pass either attn_mask (torch SDPA: bool True = attend) or mask (bool True = masked out)")
+    _validate(q, k, v, attn_mask, mask, scale)
     q64 = f64(q)
     k64, rep = _expand_kv(q, f64(k), enable_gqa)
     v64, _ = _expand_kv(q, f64(v), enable_gqa)
@@ -734,6 +780,13 @@ def _rescale_terms(wt: _Weights, V: torch.Tensor, O: torch.Tensor) -> tuple[torc
 
 
 def _mask_kwargs(attn_mask, mask, is_causal, causal):
+    """``(attn_mask, mask, causal)``; ``attn_mask`` with ``is_causal`` is rejected: torch's math backend
+    raises there while its CPU flash kernel silently applies both (measured, torch 2.13), so the
+    intent is ambiguous."""
+    if attn_mask is not None and (is_causal or causal):
+        raise ValueError("attention: attn_mask together with is_causal=True is ambiguous (torch's math backend "
+                         "rejects it, its CPU flash kernel applies both): fold the causal mask into attn_mask, or "
+                         "pass mask= (True = masked out) with causal=True to apply both")
     return attn_mask, mask, bool(is_causal or causal)
 
 
