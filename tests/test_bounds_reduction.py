@@ -94,7 +94,7 @@ def test_low_precision_probabilistic_tightness_meets_the_target(fmt):
     for seed in range(7):
         x = _data("normal", 16, 2048, fmt, _gen("target", fmt, seed))
         for op, computed, ex in (("sum", x.sum(-1), exact_sum(x, -1)), ("mean", x.mean(-1), exact_sum(x, -1) / 2048)):
-            tights.append(_violations(tn.tolerance(op, x, mode="probabilistic").abs, computed, ex)[1])
+            tights.append(_violations(tn.tolerance(op, x, dim=-1, mode="probabilistic").abs, computed, ex)[1])
     assert sorted(tights)[len(tights) // 2] <= 4.0
 
 
@@ -133,7 +133,7 @@ def test_emulated_long_rows():
     for summ in (Summation(accum="fp16", algorithm="blocked", block=128), Summation(split=16, reduce_fmt="bf16")):
         y = emulate_sum(x, -1, summ, "fp16")
         for mode in ("deterministic", "probabilistic"):
-            assert _violations(sum_(x, summation=summ, mode=mode).abs, y, exact)[0] == 0
+            assert _violations(sum_(x, -1, summation=summ, mode=mode).abs, y, exact)[0] == 0
 
 
 @pytest.mark.parametrize("claimed,computed", [
@@ -144,8 +144,8 @@ def test_wrong_models_are_caught(claimed, computed):
     x = _data("positive", 256, 1024, "bf16", _gen("wrong", computed.describe()))
     exact = exact_sum(x, -1)
     y = emulate_sum(x, -1, computed, "fp32")
-    assert _violations(sum_(x, summation=claimed, out_fmt="fp32").abs, y, exact)[0] > 0
-    viol = _violations(sum_(x, summation=claimed, out_fmt="fp32", mode="probabilistic",
+    assert _violations(sum_(x, -1, summation=claimed, out_fmt="fp32").abs, y, exact)[0] > 0
+    viol = _violations(sum_(x, -1, summation=claimed, out_fmt="fp32", mode="probabilistic",
                             failure_probability=P_TEST).abs, y, exact)[0]
     assert binomtest(viol, 256, P_TEST, alternative="greater").pvalue < 1e-3
 
@@ -160,7 +160,7 @@ def test_wrong_length_is_caught():
     y = emulate_sum(x, -1, summ, "fp32")
     exact = exact_sum(x, -1)
     assert (y == 1.0).all()
-    viol, tight = _violations(sum_(x, summation=summ, out_fmt="fp32").abs, y, exact)
+    viol, tight = _violations(sum_(x, -1, summation=summ, out_fmt="fp32").abs, y, exact)
     assert viol == 0 and tight < 1.01
-    half = sum_(x[:, : n // 2], summation=summ, out_fmt="fp32")
+    half = sum_(x[:, : n // 2], -1, summation=summ, out_fmt="fp32")
     assert _violations(half.abs, y, exact)[0] == 4

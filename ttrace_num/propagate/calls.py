@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from ..bounds.reduction import reduced_dims
 from . import jacobian as J
 
 __all__ = ["OpCall", "classify", "STRUCTURAL"]
@@ -38,14 +39,20 @@ _DIV = {torch.div, torch.Tensor.div, torch.Tensor.__truediv__}
 _CASTS = {torch.Tensor.to, torch.Tensor.float, torch.Tensor.bfloat16, torch.Tensor.half, torch.Tensor.double,
           torch.Tensor.type_as}
 _MASKED_FILL = {torch.Tensor.masked_fill, torch.masked_fill}
-_SUM = {torch.sum, torch.Tensor.sum}  # over one dim: the library's ``sum`` model
-_MEAN = {torch.mean, torch.Tensor.mean}  # over one dim: the library's ``mean`` model
+_SUM = {torch.sum, torch.Tensor.sum}  # over any dims: the library's ``sum`` model
+_MEAN = {torch.mean, torch.Tensor.mean}  # over any dims: the library's ``mean`` model
 _LOG_SOFTMAX = {torch.log_softmax, F.log_softmax, torch.Tensor.log_softmax}
 _SDPA = getattr(F, "scaled_dot_product_attention", None)
 
 
 def _arg(args: tuple, kwargs: dict, i: int, name: str, default: Any = None) -> Any:
     return args[i] if len(args) > i else kwargs.get(name, default)
+
+
+def _reduction_dims(dim: Any) -> bool:
+    """``dim`` of a ``torch.sum``/``torch.mean`` call the ``sum``/``mean`` models take: None
+    (every dim), an int, or a tuple/list of ints."""
+    return dim is None or isinstance(dim, int) or (isinstance(dim, (tuple, list)) and all(isinstance(d, int) for d in dim))
 
 
 @dataclass
@@ -134,7 +141,7 @@ def classify(func: Callable, args: tuple, kwargs: dict) -> OpCall | None:
     if func in _SUM:
         x, dim = args[0], _arg(args, kwargs, 1, "dim")
         keepdim = bool(_arg(args, kwargs, 2, "keepdim", False))
-        if isinstance(dim, int) and _arg(args, kwargs, 3, "dtype") is None and isinstance(x, torch.Tensor):
+        if _reduction_dims(dim) and _arg(args, kwargs, 3, "dtype") is None and isinstance(x, torch.Tensor):
             return OpCall("op", "sum", (x,), {"dim": dim, "keepdim": keepdim},
                           lambda g, out: _z(g, x).sum(dim, keepdim=keepdim),
                           lambda g, out: _z(g, x).sum(dim, keepdim=keepdim))
@@ -145,8 +152,8 @@ def classify(func: Callable, args: tuple, kwargs: dict) -> OpCall | None:
     if func in _MEAN:
         x, dim = args[0], _arg(args, kwargs, 1, "dim")
         keepdim = bool(_arg(args, kwargs, 2, "keepdim", False))
-        if isinstance(dim, int) and _arg(args, kwargs, 3, "dtype") is None and isinstance(x, torch.Tensor):
-            n = x.shape[dim] if x.dim() else 1
+        if _reduction_dims(dim) and _arg(args, kwargs, 3, "dtype") is None and isinstance(x, torch.Tensor):
+            n = math.prod(x.shape[d] for d in reduced_dims("mean", x, dim))
             return OpCall("op", "mean", (x,), {"dim": dim, "keepdim": keepdim},
                           lambda g, out: _z(g, x).sum(dim, keepdim=keepdim) / n,
                           lambda g, out: _z(g, x).sum(dim, keepdim=keepdim) / (n * n))
