@@ -305,8 +305,8 @@ def specs(small: bool) -> list[Spec]:
     out = [_gemm_spec(dt, *s) for s in ((16, 4096, 16), (16, 16384, 16), (8, 65536, 8), (64, 4096, 64))
            for dt in ("bf16", "fp16")]
     out += [_fp8_spec(fb, r, o, *s) for s in ((64, 4096, 64), (16, 16384, 16)) for fb, r, o in fp8_kinds]
-    out += [_sdpa_spec(dt, c, *s) for s in ((1, 2, 256, 64), (1, 1, 1024, 64)) for dt in ("bf16", "fp16")
-            for c in (False, True)]
+    out += [_sdpa_spec(dt, c, 1, 2, 256, 64) for dt in ("bf16", "fp16") for c in (False, True)]
+    out += [_sdpa_spec("bf16", c, 1, 1, 512, 128) for c in (False, True)]
     return out
 
 
