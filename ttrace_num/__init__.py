@@ -113,7 +113,8 @@ def _apply_validity(op: str, inputs: tuple, bound: Bound, fmt, compute_fmt, op_k
     n_marked, n_back = int(marked.sum()), int(fell_back.sum())
     note = Explanation(
         op="validity (repeated addends)",
-        formula="r >= 2 (most frequent nonzero addend repeated r times): min(bound + r c u (1+theta) S, deterministic)",
+        formula="r >= max(2, sqrt(n)) (most frequent nonzero addend repeated r times): "
+                "min(bound + r c u (1+theta) S, deterministic)",
         source="ttrace_num.bounds.validity: repeated addends' roundings share a sign, so they are charged "
                "deterministically; the other roundings keep the random model",
         assumptions=(f"{n_marked} of {base.numel()} elements have repeated addends (largest multiplicity "

@@ -59,7 +59,8 @@ Per op (first order; ``hu_f`` = :func:`~ttrace_num.formats.half_ulp` in format `
   ``sigma_i^2 = (1-y_i)^2 v^tau_i - y_i^2 v^tau_i + sum_j y_j^2 v_j + Var(acc)/S^2 + v_st
   + (2 log_ulps hu_c(L))^2/3 + hu_st(L)^2/3 [st narrower than c] + hu_c(|x_i - m - L|)^2/3``.
 * attention (row ``i``, keys ``j``, value column ``c``): score errors (the ``d``-term GEMM's
-  variance, times ``scale^2``, plus the scaling's and an additive mask's rounding), the
+  variance, times ``scale^2``, plus the scaling's and an additive mask's rounding, and
+  ``2 + [mask]`` roundings into ``score_fmt`` when the scores are stored narrower), the
   softmax's ``alpha_j``, ``P`` rounded to ``p_fmt`` before ``P V`` (numerator only), the
   ``P V`` GEMM and the row sum (identity (1)), the final ``1/l`` and product:
   ``sigma^2 = sum_j y_j^2 (V_jc - O_ic)^2 v_j + sum_j y_j^2 V_jc^2 v^P_j + Var(acc_N)
@@ -294,7 +295,8 @@ def attention_scores(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor |
 
 
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prec: Precision, attn_mask, is_causal: bool,
-               scale, enable_gqa: bool, algorithm: str, block_size: int, p_fmt, exp_ulps: float) -> Statistics:
+               scale, enable_gqa: bool, algorithm: str, block_size: int, p_fmt, score_fmt, exp_ulps: float
+               ) -> Statistics:
     if q.shape[-1] != k.shape[-1] or k.shape[-2] != v.shape[-2]:
         raise ValueError(f"shapes q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit attention")
     if algorithm not in ("standard", "online") or block_size < 1:
@@ -313,8 +315,12 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prec: Precisio
     sfin = torch.where(blocked, torch.zeros_like(s), s)
     if math.frexp(sc)[0] != 0.5:
         var_s = var_s + half_ulp((sc * qk).abs(), c) ** 2 / 3.0
-    if bool((add != 0).any()):
+    masked_add = bool((add != 0).any())
+    if masked_add:
         var_s = var_s + half_ulp(sfin.abs(), c) ** 2 / 3.0
+    sf = get_format(score_fmt) if score_fmt is not None else c
+    if not conversion_exact(c, sf):  # scores stored in sf after the product, the scaling [and the mask]
+        var_s = var_s + (2 + masked_add) * half_ulp(sfin.abs(), sf) ** 2 / 3.0
     # 2. softmax: subtraction and exp (relative variances of e_j), the row sum
     rows = _softmax_rows(s, c, Summation(accum=c), exp_ulps)
     y = rows.y
@@ -373,10 +379,11 @@ def _log_softmax_entry(x, dim=-1, *, prec, summation=None, stats_fmt=None, exp_u
 
 
 def _attention_entry(q, k, v, *, prec, attn_mask=None, is_causal=False, scale=None, enable_gqa=False,
-                     algorithm="standard", block_size=128, p_fmt=None, exp_ulps=1.0) -> Statistics:
+                     algorithm="standard", block_size=128, p_fmt=None, score_fmt=None, exp_ulps=1.0) -> Statistics:
     if is_causal and attn_mask is not None:
         raise ValueError("pass either is_causal=True or attn_mask, not both (as torch's scaled_dot_product_attention)")
-    return _attention(q, k, v, prec, attn_mask, is_causal, scale, enable_gqa, algorithm, block_size, p_fmt, exp_ulps)
+    return _attention(q, k, v, prec, attn_mask, is_causal, scale, enable_gqa, algorithm, block_size, p_fmt,
+                      score_fmt, exp_ulps)
 
 
 _ENTRIES: dict[str, Callable[..., Statistics]] = {

@@ -38,14 +38,24 @@ event, ``|err| <= bound_mode + charge`` with
   (the row sum and the ``P V`` sum each add ``r`` repeated terms; ``g_s`` the repeated
   score's own GEMM error bound, ``d u |q| |k| scale``).
 
-Elements with ``r >= 2`` take ``min(bound_mode + charge, deterministic bound)`` (which one
-depends on the data only, never on the rounding errors, so the claim's probability is
-unchanged). The threshold is therefore not a tuned fraction: the charge grows linearly with
-``r``, and the deterministic bound (``~(n - 1) u S``) wins once ``r u S`` exceeds it, which
-happens for ``r`` a sizeable fraction of ``n`` (constant data: always). Measured violation
+Elements with ``r >= r_min(n)`` take ``min(bound_mode + charge, deterministic bound)`` (which
+one depends on the data only, never on the rounding errors, so the claim's probability is
+unchanged); the deterministic bound (``~(n - 1) u S``) wins once ``r u S`` exceeds it, which
+happens for ``r`` a sizeable fraction of ``n`` (constant data: always). ``Bound.explain()``
+says how many elements were charged and how many fell back.
+
+Threshold. A repeated addend's roundings are coherent only where its copies are added one
+after the other (or onto partial sums that moved by the same steps); between two copies, any
+distinct addend scrambles the low bits again. ``r`` copies in ``n`` places, arranged at random
+(random data, or a random order), have about ``r^2/n`` adjacent pairs: below ``r = sqrt(n)``
+at most about one, so the copies' errors are as independent as the others'. Hence
+``r_min(n) = max(2, ceil(sqrt(n)))`` (32 for ``n = 1024``): random bf16 data, whose values
+repeat 5-10 times in a row of 1024 by chance, is not charged (charging it would loosen small
+outputs of a bf16 sum by up to 2x); constant data (``r = n``) always is. What a contiguous
+block of ``r < sqrt(n)`` equal addends can do is at most ``r u S``, below about one standard
+deviation of the model (``sigma ~ u S sqrt(n/3)/n`` per unit of ``S/n``). Measured violation
 rates as a function of the repeated fraction ``f = r/n``, with and without the charge:
-docs/bounds.md, "Statistical mode". ``Bound.explain()`` says how many elements were charged
-and how many fell back.
+docs/bounds.md, "Statistical mode".
 
 Stagnation: a chain in a narrow accumulator can absorb its addends
 (:func:`~.summation_variance.may_stagnate`); with an unknown order the largest partial sum is
@@ -70,12 +80,12 @@ from .statistical import attention_scores, reduced_dims
 from .summation import Summation, conversion_exact, products_exact
 from .summation_variance import STAGNATION_MARGIN
 
-__all__ = ["Validity", "check", "modal_multiplicity", "VALIDITY_OPS"]
+__all__ = ["Validity", "check", "modal_multiplicity", "repeat_threshold", "VALIDITY_OPS"]
 
 
 @dataclass
 class Validity:
-    """``marked``: elements where the model needs the charge (``r >= 2`` or stagnation);
+    """``marked``: elements where the model needs the charge (``r >= r_min(n)`` or stagnation);
     ``charge``: the deterministic allowance for the repeated roundings (``inf`` where only
     the deterministic bound is valid); ``multiplicity``: ``r``; all broadcast to the output."""
 
@@ -88,9 +98,11 @@ class Validity:
 def modal_multiplicity(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """``(indicator, count)`` along ``dim``: where each slice equals its most frequent nonzero
     finite value, and that value's multiplicity (keepdim; 0 when the slice has none)."""
-    x64 = f64(x).movedim(dim, -1)
+    x64 = x.detach().movedim(dim, -1)
+    if x64.dtype not in (torch.float32, torch.float64):  # values compared exactly: float32 holds bf16/fp16
+        x64 = x64.float()
     eligible = (x64 != 0) & torch.isfinite(x64)
-    key = torch.where(eligible, x64, torch.full_like(x64, math.nan))
+    key = torch.where(eligible, x64, torch.full_like(x64, math.nan)).contiguous()
     s, _ = key.sort(-1)  # NaN sorted last
     n = s.shape[-1]
     if n == 0:
@@ -119,8 +131,13 @@ def _stagnating(u: float, n: int, abs_sum: torch.Tensor, sq_sum: torch.Tensor) -
     return u * abs_sum >= STAGNATION_MARGIN * (sq_sum / max(n, 1)).sqrt()
 
 
-def _finish(r: torch.Tensor, charge: torch.Tensor, stag: torch.Tensor | None = None) -> Validity:
-    marked = r >= 2
+def repeat_threshold(n: int) -> int:
+    """Smallest multiplicity charged: ``max(2, ceil(sqrt(n)))`` (module docstring, "Threshold")."""
+    return max(2, math.ceil(math.sqrt(n)))
+
+
+def _finish(r: torch.Tensor, charge: torch.Tensor, n: int, stag: torch.Tensor | None = None) -> Validity:
+    marked = r >= repeat_threshold(n)
     charge = torch.where(marked, charge, torch.zeros_like(charge))
     n_stag = 0
     if stag is not None and bool(stag.any()):
@@ -136,15 +153,17 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, prec: P
     ia, _ = modal_multiplicity(a, -1)
     ib, _ = modal_multiplicity(b, -2)
     r = ia.double() @ ib.double()
+    n = a.shape[-1] + (bias is not None)
+    u = summ.accum.u
+    if not bool((r >= repeat_threshold(n)).any()) and u * n**1.5 < STAGNATION_MARGIN:  # nothing to do
+        return _finish(r, torch.zeros_like(r), n)
     a64, b64 = f64(a).abs(), f64(b).abs()
     S = a64 @ b64
     sq = a64.square() @ b64.square()
-    n = a.shape[-1]
     if bias is not None:
-        S, sq, n = S + f64(bias).abs(), sq + f64(bias).square(), n + 1
-    u = summ.accum.u
+        S, sq = S + f64(bias).abs(), sq + f64(bias).square()
     c = 1 if products_exact(prec.storage, summ.accum) else 2
-    return _finish(r, r * c * u * (1 + _theta(u, n)) * S, _stagnating(u, n, S, sq))
+    return _finish(r, r * c * u * (1 + _theta(u, n)) * S, n, _stagnating(u, n, S, sq))
 
 
 def _sum(op: str, x: torch.Tensor, dim, keepdim: bool, prec: Precision, summation: Summation | None) -> Validity:
@@ -167,7 +186,7 @@ def _sum(op: str, x: torch.Tensor, dim, keepdim: bool, prec: Precision, summatio
     u = summ.accum.u
     c = 1 if conversion_exact(prec.storage, summ.accum) else 2
     scale = 1.0 / n if op == "mean" else 1.0
-    return _finish(r, r * c * u * (1 + _theta(u, n)) * S * scale, _stagnating(u, n, S, sq))
+    return _finish(r, r * c * u * (1 + _theta(u, n)) * S * scale, n, _stagnating(u, n, S, sq))
 
 
 def _exp_group(x64: torch.Tensor, c: FloatFormat, exp_ulps: float) -> tuple[torch.Tensor, ...]:
@@ -196,7 +215,7 @@ def _softmax(op: str, x: torch.Tensor, dim: int, prec: Precision, summation: Sum
     _, r, y, _, g = _exp_group(x64, c, exp_ulps)
     rel = r * summ.accum.u * (1 + _theta(summ.accum.u, n)) + g
     charge = y * rel if op == "softmax" else rel.expand_as(y)
-    return _finish(r.expand_as(y).movedim(-1, dim), charge.movedim(-1, dim))
+    return _finish(r.expand_as(y).movedim(-1, dim), charge.movedim(-1, dim), n)
 
 
 def _attention(q, k, v, prec: Precision, attn_mask, is_causal, scale, enable_gqa, exp_ulps) -> Validity:
@@ -212,7 +231,7 @@ def _attention(q, k, v, prec: Precision, attn_mask, is_causal, scale, enable_gqa
     dev = torch.where(blocked.unsqueeze(-1), torch.zeros(()), (v64.unsqueeze(-3) - O.unsqueeze(-2)).abs()).amax(-2)
     ru = r * c.u * (1 + _theta(c.u, Lk))
     charge = ru * (O.abs() + y @ v64.abs()) + w * (g + g_s) * dev
-    return _finish(r.expand_as(O), charge)
+    return _finish(r.expand_as(O), charge, Lk)
 
 
 #: ops :func:`check` covers (the others are returned unchecked)

@@ -1,0 +1,132 @@
+"""``mode="statistical"`` (ttrace_num/bounds/statistical.py): tight on torch's fp32 kernels, no
+violation on the fixed-seed instances here, sigma the error's actual scale (a random-order
+chain's rms error is 0.6-1.0 sigma: neither a dropped term nor a doubled one passes), not
+looser than the probabilistic mode in bf16, clear errors for bad use. The exact references are
+float64 evaluations, checked against the correctly rounded ones in
+:func:`test_float64_reference_is_exact_enough`."""
+from __future__ import annotations
+
+import math
+import statistics
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ttrace_num as tn
+from ttrace_num.bounds.statistical import STATISTICAL_OPS, false_alarm_factor
+from ttrace_num.bounds.summation import Summation
+from ttrace_num.emulate.summation import emulate_sum
+from ttrace_num.reference import ops as ref
+from ttrace_num.reference.dot import exact_matmul, exact_sum
+
+
+def _tightness(op, make, run, exact, trials, mode="statistical", **kw):
+    g = torch.Generator().manual_seed(0)
+    tight, viol = [], 0
+    for _ in range(trials):
+        ins = make(g)
+        err = (run(*ins).double() - exact(*ins).double()).abs()
+        b = torch.broadcast_to(tn.tolerance(op, *ins, mode=mode, **kw).abs, err.shape)
+        viol += int((err > b).sum())
+        nz = err > 0
+        tight.append(float((b[nz] / err[nz]).min()))
+    return statistics.median(tight), viol
+
+
+def _f64(f):
+    return lambda *xs: f(*(x.double() for x in xs))
+
+
+@pytest.mark.parametrize("k", [64, 1024])
+def test_matmul_fp32_tight(k):
+    make = lambda g: (torch.randn(8, k, generator=g), torch.randn(k, 8, generator=g))
+    med, viol = _tightness("matmul", make, torch.matmul, _f64(torch.matmul), 20)
+    med_p, _ = _tightness("matmul", make, torch.matmul, _f64(torch.matmul), 5, mode="probabilistic")
+    assert viol == 0 and med <= 4, (med, viol)
+    assert med_p > 10 * med  # the probabilistic bound is 30-900x here
+
+
+@pytest.mark.parametrize("op, run", [("softmax", lambda x: torch.softmax(x, -1)),
+                                     ("log_softmax", lambda x: torch.log_softmax(x, -1))])
+def test_softmax_fp32_tight(op, run):
+    make = lambda g: (torch.randn(8, 128, generator=g) * 2,)
+    med, viol = _tightness(op, make, run, _f64(run), 20)
+    assert viol == 0 and med <= 4, (med, viol)
+
+
+def test_attention_fp32_tight():
+    make = lambda g: tuple(torch.randn(1, 2, n, 16, generator=g) for n in (16, 32, 32))
+    sdpa = F.scaled_dot_product_attention
+    med, viol = _tightness("attention", make, sdpa, _f64(sdpa), 20)
+    assert viol == 0 and med <= 4, (med, viol)
+
+
+def test_sum_holds_and_mean_dims():
+    x = torch.randn(4, 6, 300, generator=torch.Generator().manual_seed(1))
+    for dim in (-1, (0, 2), None):
+        b = tn.tolerance("sum", x, dim=dim, mode="statistical")
+        y = x.sum(dim) if dim is not None else x.sum()
+        err = (y.double() - x.double().sum(dim if dim is not None else (0, 1, 2))).abs()
+        assert b.abs.shape == err.shape and bool((err <= b.abs).all())
+    m = tn.tolerance("mean", x, dim=-1, mode="statistical")
+    assert bool(((x.mean(-1).double() - x.double().mean(-1)).abs() <= m.abs).all())
+
+
+def test_sigma_is_the_error_scale():
+    """A random-order fp32 chain (the model's own computation) has rms error 0.6-1.0 sigma
+    (1 up to the uniform-within-u vs within-half-ulp slack, ~0.73): dropping a variance term or
+    doubling one moves it out of the band."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(400, 512, generator=g)
+    x = x[:, torch.randperm(512, generator=g)]
+    err = emulate_sum(x, -1, Summation(), "fp32") - exact_sum(x, -1).double()
+    sigma = tn.tolerance("sum", x, dim=-1, mode="statistical", false_alarm=1e-6).abs / false_alarm_factor(1e-6)
+    ratio = float((err.square().mean() / sigma.square().mean()).sqrt())
+    assert 0.6 < ratio < 1.0, ratio
+
+
+def test_bf16_not_looser_than_probabilistic():
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(16, 1024, generator=g).bfloat16(), torch.randn(1024, 16, generator=g).bfloat16()
+    s = tn.tolerance("matmul", a, b, mode="statistical").abs
+    p = tn.tolerance("matmul", a, b, mode="probabilistic").abs
+    assert bool((s <= p * 1.0001).all())
+    x = (torch.randn(8, 128, generator=g) * 2).bfloat16()
+    assert bool((tn.tolerance("softmax", x, mode="statistical").abs
+                 <= tn.tolerance("softmax", x, mode="probabilistic").abs * 1.0001).all())
+
+
+def test_float64_reference_is_exact_enough():
+    """The bench's float64 references differ from the correctly rounded ones by < 1e-6 of the
+    statistical bound (bench/cases/statistical.py)."""
+    g = torch.Generator().manual_seed(4)
+    a, b = torch.randn(8, 16384, generator=g), torch.randn(16384, 8, generator=g)
+    d = (a.double() @ b.double() - exact_matmul(a, b).double()).abs()
+    assert bool((d <= 1e-6 * tn.tolerance("matmul", a, b, mode="statistical").abs).all())
+    x = torch.randn(8, 128, generator=g) * 2
+    for op, f in (("softmax", torch.softmax), ("log_softmax", torch.log_softmax)):
+        d = (f(x.double(), -1) - getattr(ref, op)(x).double()).abs()
+        assert bool((d <= 1e-6 * tn.tolerance(op, x, mode="statistical").abs).all())
+
+
+def test_explain_and_bad_input():
+    a = torch.randn(4, 8)
+    b = tn.tolerance("matmul", a, a.T, mode="statistical", false_alarm=1e-3)
+    assert b.mode == "statistical" and b.failure_probability == 1e-3
+    assert "false-alarm rate <= 0.001" in b.explain() and "z=" in b.explain()
+    assert false_alarm_factor(1e-6) == pytest.approx(math.sqrt(2 * math.log(2e6)))
+    with pytest.raises(ValueError, match="not supported for op 'gelu'.*matmul"):
+        tn.tolerance("gelu", a, mode="statistical")
+    with pytest.raises(ValueError, match="false_alarm must be a number in"):
+        tn.tolerance("matmul", a, a.T, mode="statistical", false_alarm=2.0)
+    with pytest.raises(ValueError, match="false_alarm is the rate of mode='statistical'"):
+        tn.tolerance("matmul", a, a.T, mode="probabilistic", false_alarm=1e-3)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        tn.tolerance("matmul", a, a.T, mode="stats")
+    with pytest.raises(ValueError, match="served by ttrace_num.tolerance"):
+        from ttrace_num.bounds.matmul import matmul
+        matmul(a, a.T, mode="statistical")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        tn.tolerance("sum", torch.tensor([1.0, math.nan]), mode="statistical")
+    assert {"matmul", "linear", "bmm", "sum", "mean", "softmax", "log_softmax", "attention"} <= set(STATISTICAL_OPS)
