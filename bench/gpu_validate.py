@@ -18,19 +18,19 @@ and tightness (per instance ``min bound / error`` over the elements with nonzero
 Families and models:
 
 ``gemm``
-    ``a @ b`` of bf16/fp16 ``(M, K) @ (K, N)`` by cuBLAS, with ``torch.backends.cuda.matmul.
-    allow_{bf16,fp16}_reduced_precision_reduction`` False (setting ``fp32-reduce``) and True
-    (``reduced``); small ``M, N`` with ``K`` up to 65536 make cuBLAS split K. Split-K is
-    *detected* two ways, both reported: the CUDA kernels of the call (torch.profiler; a name
-    containing ``splitK`` or a second, reduction kernel) and whether the ``reduced`` output
-    differs bitwise from the ``fp32-reduce`` one (only a low-precision reduction of split-K
-    partials can make them differ). Models: ``default`` (fp32 accumulation in any order,
-    output rounded once: what the setting ``fp32-reduce`` needs, a split-K reduction in fp32
-    is one more order) and ``splitK<=32 in <dtype>`` (``Summation(split=s, reduce_fmt=dtype)``,
-    the elementwise maximum over ``s`` in ``SPLITS`` (the bound is not monotone in ``s``): the
-    partials rounded to the output dtype
-    and reduced in it, what ``reduced`` may do; the split factor cuBLAS picks is not
-    observable, hence the maximum).
+    ``a @ b`` of bf16/fp16 ``(M, K) @ (K, N)`` by cuBLAS under the three settings of
+    :data:`GEMM_SETTINGS` (``torch.backends.cuda.matmul.allow_{bf16,fp16}_reduced_precision_
+    reduction = (allow_reduced_precision, allow_split_k)``; torch's default is ``(True, True)``);
+    small ``M, N`` with ``K`` up to 65536 make cuBLAS split K. Split-K is *detected* on the first
+    instance of each shape, both reported in the notes: the CUDA kernels each setting launches
+    (torch.profiler: a split-K kernel, or a second, reduction kernel) and whether its output
+    differs bitwise from that of ``fp32-reduce, no splitK`` (only a different reduction, i.e.
+    split K, can make them differ). Models: ``default`` (fp32 accumulation in any order, output
+    rounded once: split K with an fp32 reduction is one more order, so this is what the
+    ``fp32-reduce`` settings need) and ``splitK<=32 in <dtype>`` (``Summation(split=s,
+    reduce_fmt=dtype)``, the elementwise maximum over ``s`` in ``SPLITS`` (the bound is not
+    monotone in ``s``): the partials rounded to the output dtype and reduced in it, what
+    ``reduced`` may do; the split factor cuBLAS picks is not observable, hence the maximum).
 ``fp8``
     ``torch._scaled_mm`` of e4m3 x e4m3 and e4m3 x e5m2, per-tensor and row-wise scales
     (``ttrace_num.scaling.quantize``), bf16 and fp32 outputs, ``use_fast_accum`` False/True.
@@ -158,20 +158,31 @@ def _bound(op: str, inst: Instance, model: Model, mode: str) -> tuple[torch.Tens
     return out, p
 
 
-def _reduced_flag(dtype: torch.dtype) -> str:
-    return f"allow_{'bf16' if dtype == torch.bfloat16 else 'fp16'}_reduced_precision_reduction"
+#: cuBLAS reduction settings of the gemm rows: ``(allow_reduced_precision, allow_split_k)`` of
+#: ``torch.backends.cuda.matmul.allow_{bf16,fp16}_reduced_precision_reduction`` (a pair since torch
+#: PR 164766; torch's default is ``(True, True)``)
+GEMM_SETTINGS = {"reduced, splitK": (True, True), "fp32-reduce, splitK": (False, True),
+                 "fp32-reduce, no splitK": (False, False)}
 
 
 @contextlib.contextmanager
-def _matmul_reduction(dtype: torch.dtype, allowed: bool):
-    """``torch.backends.cuda.matmul.allow_<dtype>_reduced_precision_reduction = allowed`` inside."""
-    name = _reduced_flag(dtype)
-    before = getattr(torch.backends.cuda.matmul, name)
-    setattr(torch.backends.cuda.matmul, name, allowed)
+def _matmul_reduction(dtype: torch.dtype, setting: tuple[bool, bool]):
+    """cuBLAS's reduction setting for ``dtype`` GEMMs (:data:`GEMM_SETTINGS`) inside, restored after.
+    A torch without the split-K element takes the first element only."""
+    m = torch.backends.cuda.matmul
+    name = f"allow_{'bf16' if dtype == torch.bfloat16 else 'fp16'}_reduced_precision_reduction"
+    before = (getattr(m, name), getattr(m, name + "_split_k", True))
+    try:
+        setattr(m, name, setting)
+    except TypeError:  # torch before the (reduced, split_k) pair
+        setattr(m, name, setting[0])
     try:
         yield
     finally:
-        setattr(torch.backends.cuda.matmul, name, before)
+        try:
+            setattr(m, name, before)
+        except TypeError:
+            setattr(m, name, before[0])
 
 
 def _kernel_names(fn: Callable[[], Any]) -> list[str]:
@@ -192,35 +203,34 @@ def _gemm_spec(dtype: str, m: int, k: int, n: int, splits: tuple[int, ...] = SPL
         a, b = _randn((m, k), g, dt), _randn((k, n), g, dt)
         return Instance((a, b), {}, exact_matmul(a, b), "exact_matmul")
 
-    def cublas(allowed: bool) -> Callable[[Instance, str], torch.Tensor]:
+    def cublas(setting: tuple[bool, bool]) -> Callable[[Instance, str], torch.Tensor]:
         def run(inst: Instance, device: str) -> torch.Tensor:
             a, b = (t.to(device) for t in inst.args)
-            with _matmul_reduction(dt, allowed):
+            with _matmul_reduction(dt, setting):
                 return (a @ b).cpu()
         return run
 
     def probe(inst: Instance, device: str) -> dict:
-        """Split-K evidence: the kernels of each setting, and whether the outputs differ."""
+        """Split-K evidence, per setting: the CUDA kernels of the call, and whether its output
+        differs bitwise from that of ``fp32-reduce, no splitK`` (a different reduction)."""
         a, b = (t.to(device) for t in inst.args)
         out: dict[str, Any] = {}
-        for allowed in (False, True):
-            with _matmul_reduction(dt, allowed):
-                out[f"kernels reduced={allowed}"] = _kernel_names(lambda: a @ b)
-        with _matmul_reduction(dt, False):
-            ref = a @ b
-        with _matmul_reduction(dt, True):
-            red = a @ b
-        out["reduced differs"] = bool((ref != red).any())
-        names = out["kernels reduced=False"] + out["kernels reduced=True"]
-        out["split-K kernel"] = any("splitk" in s.lower() or "reduce" in s.lower() for s in names)
+        results = {}
+        for name, setting in GEMM_SETTINGS.items():
+            with _matmul_reduction(dt, setting):
+                out[f"kernels {name}"] = _kernel_names(lambda: a @ b)
+                results[name] = a @ b
+        base = results["fp32-reduce, no splitK"]
+        for name, r in results.items():
+            out[f"differs {name}"] = bool((r != base).any())
         return out
 
     models: dict[str, Model] = {
         "default": {},
         f"splitK<={splits[-1]} in {dtype}": [{"summation": Summation(split=s, reduce_fmt=dtype)} for s in splits],
     }
-    impls = [Impl("cuBLAS", "fp32-reduce", cublas(False)), Impl("cuBLAS", "reduced", cublas(True)),
-             Impl("emulated", "fp32 chain", lambda inst, dev: emulate_matmul(*inst.args, Summation(), dtype), False)]
+    impls = [Impl("cuBLAS", name, cublas(setting)) for name, setting in GEMM_SETTINGS.items()]
+    impls.append(Impl("emulated", "fp32 chain", lambda inst, dev: emulate_matmul(*inst.args, Summation(), dtype), False))
     return Spec("gemm", "matmul", dtype, f"{m}x{k}x{n}", make, impls, models, probe)
 
 
@@ -410,9 +420,10 @@ class SpecRun:
                 r.notes.append(f"probe failed: {_one_line(e)}")
             return
         for r in cublas:
-            r.notes.append("split-K kernel: " + ("yes" if found["split-K kernel"] else "no")
-                           + ("; reduced output differs" if found["reduced differs"] else ""))
-            r.notes.append("kernels: " + ", ".join(found[f"kernels reduced={r.impl.setting == 'reduced'}"]))
+            if r.impl.setting != "fp32-reduce, no splitK":
+                r.notes.append(("differs" if found[f"differs {r.impl.setting}"] else "same bits as")
+                               + " fp32-reduce, no splitK")
+            r.notes.append("kernels: " + ", ".join(found[f"kernels {r.impl.setting}"]))
 
 
 def markdown(rows: list[Row], header: str) -> str:

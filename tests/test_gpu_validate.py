@@ -56,3 +56,22 @@ def test_bad_invocations_exit_2_with_a_message(capsys):
     assert "--device cpu --small" in capsys.readouterr().err
     assert gv.main(["--device", "cpu", "--only", "gemm,conv"]) == 2
     assert "--only takes fp8, gemm, sdpa" in capsys.readouterr().err
+
+
+def test_the_split_k_probe_runs_every_setting_and_restores_it(monkeypatch):
+    """The cuBLAS settings are set inside and restored after; the probe (CUDA profiler replaced by
+    a stub here) reports, per setting, its kernels and whether its output differs."""
+    m = torch.backends.cuda.matmul
+    before = (m.allow_bf16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction_split_k)
+    with gv._matmul_reduction(torch.bfloat16, (False, False)):
+        assert (m.allow_bf16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction_split_k) == (
+            False, False)
+    assert (m.allow_bf16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction_split_k) == before
+    monkeypatch.setattr(gv, "_kernel_names", lambda fn: (fn(), ["gemm_kernel"])[1])
+    spec = gv._gemm_spec("bf16", 4, 64, 4, (1,))
+    run = gv.SpecRun(spec, "cpu", seed=0)
+    run._probe(spec.make(run.g))
+    notes = {r.impl.setting: r.notes for r in run.rows.values() if r.impl.kernel == "cuBLAS"}
+    assert set(notes) == set(gv.GEMM_SETTINGS)
+    assert notes["reduced, splitK"][:2] == ["same bits as fp32-reduce, no splitK", "kernels: gemm_kernel"]
+    assert notes["fp32-reduce, no splitK"][:1] == ["kernels: gemm_kernel"]
