@@ -247,3 +247,24 @@ def test_registered_and_explained():
     assert "gelu(tanh)" in text and "lambda" in text and "torch_cpu" in text
     with pytest.raises(ValueError):
         tn.tolerance("gelu", torch.randn(4), compute_fmt="bf16", library="torch_cpu")
+
+
+@pytest.mark.parametrize("name", ["gelu", "silu"])
+def test_flush_to_zero_results_are_covered(name):
+    """An FTZ kernel (AVX512-BF16's ``vcvtneps2bf16`` flushes bf16 subnormal results), emulated
+    on every bf16 input whose result is tiny: the gradual-underflow bound (``ftz=False``, the
+    only model before) is violated, the default (``ftz=True``) holds against the exact value;
+    and on normal-range bf16/fp16 data the bound is unchanged."""
+    bits = torch.arange(0, 1 << 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    x = bits[torch.isfinite(bits)]
+    x = x[(x.double().abs() < 2.0 ** -120) | (x.double() < -80)]  # gelu/silu results below 2^-126
+    exact = ref.gelu(x) if name == "gelu" else ref.silu(x)
+    emul = (EA.gelu if name == "gelu" else EA.silu)(x, ftz=True)
+    old = tn.tolerance(name, x, library="correctly_rounded", ftz=False).abs
+    new = tn.tolerance(name, x, library="correctly_rounded").abs
+    assert _violations(emul, exact, old) > 0
+    assert _violations(emul, exact, new) == 0
+    for dt in (torch.bfloat16, torch.float16):
+        xn = torch.randn(4096, generator=torch.Generator().manual_seed(5)).clamp(-8, 8).to(dt)
+        xn = xn[xn.double().abs() > 1e-3]
+        assert torch.equal(tn.tolerance(name, xn).abs, tn.tolerance(name, xn, ftz=False).abs)

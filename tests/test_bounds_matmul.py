@@ -334,3 +334,36 @@ def test_split_partials_that_overflow_fp16_give_an_infinite_bound():
         bd = matmul(a, b, summation=summ, mode=mode).abs
         assert math.isinf(bd[0, 0].item()) and math.isfinite(bd[1, 0].item())
         assert bool(((got - exact).abs() <= bd).all())
+
+
+@pytest.mark.parametrize("case", ["subnormal_products", "subnormal_inputs"])
+def test_default_bound_covers_a_flush_to_zero_gemm(case):
+    """An FTZ/DAZ GEMM (AVX512-BF16 ``vdpbf16ps``, tensor cores), emulated: products, partial
+    sums and results below fp32's normal range flushed, bf16 subnormal inputs read as 0. The
+    gradual-underflow bound (the default before) is violated; the default (ftz) bound holds."""
+    g = _gen("ftz", case)
+    if case == "subnormal_products":  # bf16 normals whose products lie in fp32's subnormal range
+        a = (torch.randn(16, 64, generator=g) * 2.0 ** -65).bfloat16()
+        b = (torch.randn(64, 8, generator=g) * 2.0 ** -65).bfloat16()
+    else:  # bf16 subnormals (read as 0) times large values: normal products dropped
+        a = (torch.randn(16, 8, generator=g) * 2.0 ** -130).bfloat16()
+        b = (torch.randn(8, 8, generator=g) * 2.0 ** 10).bfloat16()
+    exact = exact_matmul(a, b)
+    got = emulate_matmul(a, b, Summation(ftz=True), "bf16")
+    err = (got - exact).abs()
+    old = matmul(a, b, summation=Summation()).abs
+    assert int((err > old).sum()) > err.numel() // 2
+    for mode in ("deterministic", "probabilistic"):
+        assert int((err > matmul(a, b, mode=mode).abs).sum()) == 0, mode
+
+
+def test_flush_to_zero_leaves_normal_bf16_fp16_tightness_unchanged():
+    """No subnormal input, no result near 0: the FTZ terms (``n 2^-126``) change nothing. (A
+    subnormal fp16 input, 1 in 2e4 of randn values, adds its dropped products to the elements
+    it touches: ``daz_term``.)"""
+    g = _gen("ftz-tight")
+    for dt in (torch.bfloat16, torch.float16):
+        a, b = torch.randn(32, 256, generator=g), torch.randn(256, 32, generator=g)
+        a, b = (torch.where(t.abs() < 1e-3, torch.full_like(t, 1e-3), t).to(dt) for t in (a, b))
+        new, old = matmul(a, b).abs, matmul(a, b, summation=Summation()).abs
+        assert float((new / old).max()) < 1 + 1e-12

@@ -353,3 +353,24 @@ def test_partial_sums_that_overflow_give_an_infinite_bound(mode):
     b, _ = sum_error_bound(x.double().abs().sum(-1), exact.abs(), 6, summ, FP32, mode, lambda_for(1e-2))
     assert math.isinf(b[0].item()) and math.isfinite(b[1].item())
     assert bool(((got - exact).abs() <= b).all())
+
+
+def test_flush_to_zero_summation_is_covered():
+    """FTZ accumulation, emulated: partial sums that cancel into fp32's subnormal range are
+    flushed (error up to ``min_normal`` per addition); the gradual-underflow bound is violated,
+    ``Summation(ftz=True)`` (``(2n - k) min_normal`` plus the flushed output) holds."""
+    tiny = 2.0 ** -126
+    g = _gen(11)
+    x = torch.cat([torch.tensor([[3 * tiny / 2, -tiny]]).expand(64, 2),
+                   torch.randint(-4, 5, (64, 30), generator=g) * tiny / 8], dim=1).float()
+    exact = exact_sum(x.double(), -1)
+    s, mag = x.double().abs().sum(-1), exact.abs()
+    for out in ("fp32", "bf16", "fp16"):
+        got = emulate_sum(x, -1, Summation(ftz=True), out)
+        err = (got - exact).abs()
+        for mode in ("deterministic", "probabilistic"):
+            old, _ = sum_error_bound(s, mag, 32, Summation(), get_format(out), mode, lambda_for(1e-2))
+            new, _ = sum_error_bound(s, mag, 32, Summation(ftz=True), get_format(out), mode, lambda_for(1e-2))
+            assert int((err > new).sum()) == 0, (out, mode)
+            if out != "fp16":  # fp16's output rounding (2^-25) already covers these errors
+                assert int((err > old).sum()) > 0, (out, mode)

@@ -13,6 +13,18 @@ and blocking they use), split-K / tensor parallelism (``split``, ``reduce_fmt``,
 ``2 p_in <= p_accum`` (bf16/fp16 inputs, fp32 accumulation); otherwise one more rounding
 level is counted (it also covers FMA, which does not round them).
 
+Flush to zero. The default model is ``Summation(accum=compute, ftz=True)``: the kernel a
+user gets may flush products, partial sums and results below the normal range to zero and
+read subnormal inputs as zero (torch 2.13's bf16 GEMM on an AVX512-BF16 CPU does: 99% of the
+elements of a product in fp32's subnormal range violated the gradual-underflow bound; GPU
+tensor cores may). The bound then has ``eta = (2n - k) min_normal(accum)`` (every rounding
+may flush), ``max(t, half_ulp_out(t))`` for outputs with ``t = |y| + acc < min_normal_out``,
+and, where an input is subnormal, the dropped products ``|A_sub||B| + |A||B_sub|``
+(:func:`daz_term`, added to ``acc`` and to the output magnitude). On normal data this adds
+``~n 2^-126`` for fp32 accumulation: tightness is unchanged (see
+:mod:`.summation`, "Flush to zero"). Pass a ``Summation`` without ``ftz`` for a kernel with
+gradual underflow.
+
 Bound (:mod:`.summation`, identity (1) and its two stages; Higham 2002, §3.1, eq. (3.5);
 probabilistic: Higham & Mary 2019, Connolly, Higham & Mary 2021)::
 
@@ -81,12 +93,12 @@ from __future__ import annotations
 
 import torch
 
-from ..formats import get_format
+from ..formats import FloatFormat, get_format
 from .base import Bound, Explanation
 from .common import Precision, register, resolve_mode, resolve_precision
 from .summation import Summation, products_exact, sum_difference_bound, sum_error_bound
 
-__all__ = ["matmul", "linear", "matmul_difference", "matmul_statistics"]
+__all__ = ["matmul", "linear", "matmul_difference", "matmul_statistics", "daz_term"]
 
 SOURCE = ("Higham, Accuracy and Stability of Numerical Algorithms (2002) §3.1, §4; probabilistic: "
           "Higham & Mary, SISC 41(5) 2019; Connolly, Higham & Mary, SISC 43(1) 2021 (martingale form)")
@@ -141,6 +153,16 @@ def matmul_statistics(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | Non
     return s64, y64, n
 
 
+def magnitude_lower(abs_sum: torch.Tensor, magnitude: torch.Tensor, n: int, a: torch.Tensor, b: torch.Tensor
+                    ) -> torch.Tensor:
+    """Lower bound on ``|A B + bias|`` from :func:`matmul_statistics`' ``(S_upper, |y|_upper, n)``:
+    ``|y|_upper = |y_w| + g S_upper`` with ``|y - y_w| <= g S_upper``, ``g = gamma_{n+1}(u_w)``,
+    so ``|y| >= |y|_upper - 2 g S_upper``."""
+    uw, _ = _working_constants(_working(a, b))
+    gam = (n + 1) * uw / (1.0 - (n + 1) * uw)
+    return magnitude - 2.0 * gam * abs_sum
+
+
 def partial_abs_sum(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, summation: Summation,
                     abs_sum: torch.Tensor) -> torch.Tensor | None:
     """Rigorous upper bound on ``T = sum_i |p_i|``, the exact partial sums of the ``split``
@@ -174,8 +196,26 @@ def partial_abs_sum(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None,
     return total * (1.0 + gam64) + gam * abs_sum + (n + 1) * eta_w
 
 
+def daz_term(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, fmt: FloatFormat) -> torch.Tensor | None:
+    """Rigorous upper bound on the products (and bias) a kernel that reads subnormal inputs as
+    zero (DAZ) drops: ``|A_sub| |B| + |A| |B_sub| (+ |bias_sub|)`` with ``X_sub`` the entries of
+    ``X`` below ``fmt``'s normal range (:func:`matmul_statistics` of the masked operands), or
+    ``None`` when no input is subnormal (one pass over the inputs)."""
+    def sub(t: torch.Tensor) -> torch.Tensor:
+        return (t.abs() < fmt.min_normal) & (t != 0)
+    ma, mb = sub(a), sub(b)
+    mbias = sub(bias) if bias is not None else None
+    if not (ma.any() or mb.any() or (mbias is not None and mbias.any())):
+        return None
+    zero_bias = None if bias is None else bias.masked_fill(~mbias, 0)
+    return (matmul_statistics(a.masked_fill(~ma, 0), b, zero_bias)[0]
+            + matmul_statistics(a, b.masked_fill(~mb, 0))[0])
+
+
 def _default_summation(prec: Precision, summation: Summation | None) -> Summation:
-    return summation if summation is not None else Summation(accum=prec.compute)
+    """``Summation(accum=compute_fmt, ftz=True)``: any order, and subnormals may be flushed (the
+    kernel a user gets may be an FTZ one, e.g. AVX512-BF16 GEMMs; module docstring)."""
+    return summation if summation is not None else Summation(accum=prec.compute, ftz=True)
 
 
 @register("matmul", "mm", "bmm")
@@ -190,8 +230,9 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None
         bias: optional bias added along the last dim (as ``F.linear``), one more term.
         fmt / compute_fmt / out_fmt: storage, accumulation and output formats (defaults:
             input dtype, fp32 for narrower inputs, input dtype).
-        summation: the accumulation model; default ``Summation(accum=compute_fmt)``
-            (recursive: valid for any order, e.g. an MKL or cuBLAS kernel). Use
+        summation: the accumulation model; default ``Summation(accum=compute_fmt, ftz=True)``
+            (recursive: valid for any order, e.g. an MKL or cuBLAS kernel; subnormals may be
+            flushed, e.g. AVX512-BF16 GEMMs, tensor cores). Use
             ``Summation(split=k, reduce_fmt=...)`` for split-K / tensor parallelism.
         mode: ``"deterministic"`` or ``"probabilistic"``.
         failure_probability: per-element, probabilistic mode (default 1e-6).
@@ -202,7 +243,15 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None
     s, ymag, n = matmul_statistics(a, b, bias)
     exact_p = products_exact(prec.storage, summ.accum)
     t = partial_abs_sum(a, b, bias, summ, s)
-    bound, values = sum_error_bound(s, ymag, n, summ, prec.out, ms.mode, ms.lam, exact_p, partial_abs_sum=t)
+    daz = daz_term(a, b, bias, prec.storage) if summ.ftz else None
+    # with DAZ the kernel sums the terms without the dropped ones: |y'| <= |y| + daz, and y' - y <= daz
+    low = magnitude_lower(s, ymag, n, a, b) if summ.ftz else None
+    bound, values = sum_error_bound(s, ymag if daz is None else ymag + daz, n, summ, prec.out, ms.mode, ms.lam,
+                                    exact_p, partial_abs_sum=t,
+                                    magnitude_lower=low if daz is None or low is None else low - daz)
+    if daz is not None:
+        bound = bound + daz
+        values["daz"] = "|A_sub||B| + |A||B_sub|"
     values.update(precision=prec.describe(), products_exact=exact_p, S="(|A||B|)_ij")
     formula = ("|err_ij| <= acc_ij + half_ulp_out(|y_ij| + acc_ij), acc = theta_in S + theta_out T_hat + eta, "
                "S = |A||B|, T_hat = sum_parts |A_i B_i| + theta_in S"

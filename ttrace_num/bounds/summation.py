@@ -72,6 +72,22 @@ levels such as a mean's division. The bound adds ``sum_f r_f eta_f`` with ``r_f`
 counts (:meth:`Summation.roundings`; in a format without subnormals, which flushes,
 every addition is counted too).
 
+Flush to zero (``Summation(ftz=True)``). Kernels such as AVX512-BF16 GEMMs (``vdpbf16ps``
+flushes its fp32 results below ``2^-126`` and reads bf16 subnormals as 0) and GPU tensor
+cores may replace a value below the normal range of the format it is held in by 0 (FTZ).
+A flushed value ``z`` has ``|z| < min_normal_f``, so such a rounding is
+``fl(z) = z (1 + delta) + eta`` with ``|eta| < min_normal_f`` (``delta = 0``, ``eta = -z``)
+and every rounding of the tree can do it, additions included (the exact sum of two normals
+can be subnormal): ``eta = sum_f r_f min_normal_f`` with ``r_f`` all roundings per format
+(:meth:`Summation.roundings`: ``n`` products, ``n - k`` additions, the partials' conversions
+and additions), i.e. ``(2n - k) min_normal(accum)`` for ``k`` parts in one format. The result
+rounded to ``o`` may be flushed where ``t = |y| + acc < min_normal_o``: error ``<= t``
+(:func:`output_rounding` takes ``max(t, half_ulp_o(t))`` there). Inputs read as zero (DAZ)
+are the caller's term (the matmul adds ``|A_sub| |B| + |A| |B_sub|``, the products with a
+subnormal operand). These terms matter only for results within a few ``n min_normal`` of 0
+(``n 2^-126`` for fp32 accumulation, ``6.1e-5`` for fp16 outputs): bf16/fp16 tightness on
+normal data is unchanged.
+
 Overflow. The model (1) assumes no rounding overflows. Every computed partial sum (and
 product) of a stage satisfies ``|s_hat_v| <= (1 + theta) M`` (``M = S`` in the parts,
 ``T_hat`` in the reduction, below; in probabilistic mode the path growth ``g`` replaces
@@ -212,6 +228,12 @@ class Summation:
             :func:`sum_difference_bound` cancel roundings shared with another model.
             ``False`` (default): the model only bounds the depths of an unknown tree,
             which is all the error bound of a single computation needs.
+        ftz: the kernel may flush to zero every product, partial sum and result that lies
+            below the normal range of the format it is held in, and read subnormal inputs as
+            zero (FTZ/DAZ: AVX512-BF16 ``vdpbf16ps`` GEMMs, GPU tensor cores). Each rounding
+            of the tree then has the absolute error ``min_normal`` of its format, additions
+            included, and a result below the output's normal range may become 0 (module
+            docstring, "Flush to zero"). ``False``: gradual underflow (IEEE).
     """
 
     accum: FloatFormat = get_format("fp32")
@@ -221,6 +243,7 @@ class Summation:
     reduce_fmt: FloatFormat | None = None
     reduce_algorithm: Algorithm = "recursive"
     known_order: bool = False
+    ftz: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "accum", get_format(self.accum))
@@ -273,14 +296,15 @@ class Summation:
         ``accum`` (counted even for products exact in precision: they can underflow) and
         the conversion of each partial sum to ``reduce_fmt``. Additions of two numbers of
         the node's format are exact when subnormal and are not counted, unless the format
-        has no subnormals (flush to zero)."""
+        has no subnormals or the kernel flushes them (``ftz``)."""
         if n <= 0:
             return {}
         k = self.parts(n)
         rf = self.reduce_fmt or self.accum
-        r: Depths = {self.accum: n + (0 if self.accum.subnormals else n - k)}
+        r: Depths = {self.accum: n + (0 if self.accum.subnormals and not self.ftz else n - k)}
         if k > 1:
-            r[rf] = r.get(rf, 0) + (0 if conversion_exact(self.accum, rf) else k) + (0 if rf.subnormals else k - 1)
+            r[rf] = r.get(rf, 0) + (0 if conversion_exact(self.accum, rf) else k) \
+                + (0 if rf.subnormals and not self.ftz else k - 1)
         return r
 
     def describe(self) -> str:
@@ -290,6 +314,8 @@ class Summation:
             s += f", split into {self.split} parts reduced {self.reduce_algorithm} in {self.reduce_fmt or self.accum}"
         if self.known_order:
             s += ", known order"
+        if self.ftz:
+            s += ", subnormals may be flushed to zero"
         return s
 
 
@@ -336,9 +362,12 @@ def sigma_coefficient(depths: Depths) -> float:
     return math.sqrt(sum(d * f.u**2 for f, d in depths.items()))
 
 
-def underflow_term(roundings: Depths) -> float:
-    """``sum_f r_f eta_f``: absolute error of ``r_f`` roundings below the normal range."""
-    return sum(k * f.subnormal_abs_error for f, k in roundings.items())
+def underflow_term(roundings: Depths, ftz: bool = False) -> float:
+    """``sum_f r_f eta_f``: absolute error of ``r_f`` roundings below the normal range, with
+    ``eta_f`` half the subnormal spacing (gradual underflow), or ``min_normal_f`` when the
+    kernel may flush results below the normal range to zero (``ftz``: the flushed value is
+    smaller than ``min_normal_f``)."""
+    return sum(k * (f.min_normal if ftz else f.subnormal_abs_error) for f, k in roundings.items())
 
 
 def accumulation_terms(depths: Depths, roundings: Depths, mode: str, lam: float) -> tuple[float, float]:
@@ -353,12 +382,20 @@ def accumulation_terms(depths: Depths, roundings: Depths, mode: str, lam: float)
     return coef, underflow_term(roundings)
 
 
-def output_rounding(magnitude_upper: torch.Tensor, last: FloatFormat, out: FloatFormat) -> torch.Tensor | float:
-    """Bound on rounding a value of magnitude ``<= magnitude_upper`` from ``last`` to ``out``:
-    ``half_ulp_out(magnitude_upper)``, or 0 when the conversion is exact."""
+def output_rounding(magnitude_upper: torch.Tensor, last: FloatFormat, out: FloatFormat, ftz: bool = False,
+                    magnitude_lower: torch.Tensor | None = None) -> torch.Tensor | float:
+    """Bound on rounding a value of magnitude ``<= t = magnitude_upper`` from ``last`` to ``out``:
+    ``half_ulp_out(t)``, or 0 when the conversion is exact. With ``ftz`` (the kernel may flush
+    a value below ``min_normal_out`` to 0, error ``< min(t, min_normal_out)``):
+    ``max(half_ulp_out(t), min(t, min_normal_out))`` where the value may be below the normal
+    range: where ``magnitude_lower`` (a lower bound on it; ``None``: 0) is below it."""
     if conversion_exact(last, out):
         return 0.0
-    return half_ulp(magnitude_upper, out)
+    h = half_ulp(magnitude_upper, out)
+    if not ftz:
+        return h
+    flush = torch.maximum(h, magnitude_upper.abs().clamp(max=out.min_normal))
+    return flush if magnitude_lower is None else torch.where(magnitude_lower < out.min_normal, flush, h)
 
 
 @dataclass(frozen=True)
@@ -542,7 +579,8 @@ def with_accum(s: Summation, accum: "FloatFormat | str") -> Summation:
 def sum_error_bound(abs_sum: torch.Tensor, magnitude: torch.Tensor, n: int, summation: Summation,
                     out_fmt: FloatFormat, mode: str, lam: float, exact_products: bool = True,
                     extra_depths: Depths | None = None, partial_abs_sum: torch.Tensor | None = None,
-                    leaf_depths: Depths | None = None) -> tuple[torch.Tensor, dict]:
+                    leaf_depths: Depths | None = None, magnitude_lower: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, dict]:
     """Elementwise bound on ``|fl_out(computed sum) - exact sum|`` from the sum's statistics.
 
     Args:
@@ -557,6 +595,9 @@ def sum_error_bound(abs_sum: torch.Tensor, magnitude: torch.Tensor, n: int, summ
         leaf_depths: rounding levels applied to each term before the tree (e.g. operands
             converted to another format, a scale applied to every product); ``n``
             roundings per level, each may underflow.
+        magnitude_lower: a lower bound on ``|exact sum|`` (only used with ``summation.ftz``:
+            the output may be flushed only where ``magnitude_lower - acc < min_normal_out``;
+            ``None``: everywhere).
     Returns ``(abs_bound, values)``; ``values`` are the plugged-in constants for explanations.
 
     Bound (module docstring, "Two stages"): ``acc = theta_in S + theta_out T_hat + eta``,
@@ -568,7 +609,7 @@ def sum_error_bound(abs_sum: torch.Tensor, magnitude: torch.Tensor, n: int, summ
     args = (summation, n, exact_products, abs_sum, magnitude, partial_abs_sum, extra_depths, leaf_depths)
     inner, outer = _stages(*args)
     roundings = _merge(summation.roundings(n), extra_depths or {}, {f: k * n for f, k in (leaf_depths or {}).items()})
-    eta = underflow_term(roundings)
+    eta = underflow_term(roundings, summation.ftz)
     if mode == "probabilistic":
         # growth of the partial sums bounded per path (probability split: p/2 for the error's
         # martingale, p/2 over the paths of the n terms and of the partials)
@@ -591,7 +632,8 @@ def sum_error_bound(abs_sum: torch.Tensor, magnitude: torch.Tensor, n: int, summ
             torch.minimum(acc, _quadrature(p_in.deviation(p_in.depths) + p_out.deviation(p_out.depths), like, lam2),
                           out=acc)
         acc += eta
-    bound = acc if conversion_exact(summation.final_fmt, out_fmt) else acc + half_ulp(magnitude + acc, out_fmt)
+    low = None if magnitude_lower is None else magnitude_lower - acc
+    bound = acc + output_rounding(magnitude + acc, summation.final_fmt, out_fmt, summation.ftz, low)
     held = [(inner, set(inner.depths) | {summation.accum}), (outer, set(summation.outer_depths(n)))]
     if mode == "probabilistic":  # the growth the probabilistic claim rests on, where smaller
         held = [(min(st, pst, key=lambda x: x.theta), fmts) for (st, fmts), pst in zip(held, (p_in, p_out))]
@@ -636,14 +678,14 @@ def sum_difference_bound(abs_sum: torch.Tensor, magnitude: torch.Tensor, n: int,
     sb = _stages(b, n, exact_products, abs_sum, magnitude, partial_abs_sum_b, None)
     unshared = unshared_depths(a, b, n, exact_products)
     pairs = [(st, d) for stages, ds in zip((sa, sb), unshared) for st, d in zip(stages, ds)]
-    eta = underflow_term(a.roundings(n)) + underflow_term(b.roundings(n))
+    eta = underflow_term(a.roundings(n), a.ftz) + underflow_term(b.roundings(n), b.ftz)
 
     def outputs(acc_a: torch.Tensor, acc_b: torch.Tensor) -> torch.Tensor | float:
         """Both sides' output roundings at ``|y| + acc + eta`` (none where a conversion is exact)."""
         total: torch.Tensor | float = 0.0
         for side, out, acc in ((a, out_a, acc_a), (b, out_b, acc_b)):
             if not conversion_exact(side.final_fmt, out):
-                total = total + half_ulp((magnitude + acc).add_(eta), out)
+                total = total + output_rounding((magnitude + acc).add_(eta), side.final_fmt, out, side.ftz)
         return total
 
     det_a, det_b = _deterministic(*sa), _deterministic(*sb)

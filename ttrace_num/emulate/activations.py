@@ -4,7 +4,9 @@ Every intermediate is rounded to the compute format with
 :func:`~ttrace_num.rounding.round_to` (round to nearest even), the elementary functions
 (``erf``, ``tanh``, ``exp``) are *correctly rounded* to the compute format (float64
 value, then one rounding), and the result is rounded once to the output format. The
-inputs are the stored values. Results are float64 tensors holding output-format values.
+inputs are the stored values. ``ftz=True`` (gelu, silu) emulates a flush-to-zero kernel: the
+result is set to 0 where it is below the normal range of the compute format, and again
+after its rounding to the output format (AVX512-BF16's ``vcvtneps2bf16``). Results are float64 tensors holding output-format values.
 Vectorised; the formulas are exactly those stated in the bounds module.
 """
 from __future__ import annotations
@@ -25,6 +27,14 @@ def _fmts(x: torch.Tensor, compute_fmt, out_fmt) -> tuple[FloatFormat, FloatForm
     return c, o
 
 
+def _result(yc: torch.Tensor, c: FloatFormat, o: FloatFormat, ftz: bool) -> torch.Tensor:
+    """``fl_o(yc)``; with ``ftz`` values below ``c``'s, then ``o``'s, normal range flushed to 0."""
+    if not ftz:
+        return round_to(yc, o)
+    y = round_to(yc.masked_fill(yc.abs() < c.min_normal, 0.0), o)
+    return y.masked_fill(y.abs() < o.min_normal, 0.0)
+
+
 def _silu_c(x: torch.Tensor, c: FloatFormat) -> torch.Tensor:
     """``fl(x / fl(1 + EXP(-x)))`` in ``c``; ``x`` float64 on the ``c`` grid."""
     e = round_to(torch.exp(-x), c)
@@ -32,7 +42,8 @@ def _silu_c(x: torch.Tensor, c: FloatFormat) -> torch.Tensor:
     return round_to(x / d, c)
 
 
-def gelu(x: torch.Tensor, approximate: str = "none", *, compute_fmt="fp32", out_fmt=None) -> torch.Tensor:
+def gelu(x: torch.Tensor, approximate: str = "none", *, compute_fmt="fp32", out_fmt=None,
+         ftz: bool = False) -> torch.Tensor:
     """``fl_o(fl(fl(x/2) * fl(1 + ERF(fl(x * fl(1/sqrt2))))))`` or the tanh form (see the bounds)."""
     c, o = _fmts(x, compute_fmt, out_fmt)
     r = lambda t: round_to(t, c)
@@ -50,13 +61,13 @@ def gelu(x: torch.Tensor, approximate: str = "none", *, compute_fmt="fp32", out_
         s = r(1.0 + r(torch.tanh(u)))
     else:
         raise ValueError(f"approximate must be 'none' or 'tanh', not {approximate!r}")
-    return round_to(r(h * s), o)
+    return _result(r(h * s), c, o, ftz)
 
 
-def silu(x: torch.Tensor, *, compute_fmt="fp32", out_fmt=None) -> torch.Tensor:
+def silu(x: torch.Tensor, *, compute_fmt="fp32", out_fmt=None, ftz: bool = False) -> torch.Tensor:
     """``fl_o(fl(x / fl(1 + EXP(-x))))`` in the compute format."""
     c, o = _fmts(x, compute_fmt, out_fmt)
-    return round_to(_silu_c(round_to(x.to(torch.float64), c), c), o)
+    return _result(_silu_c(round_to(x.to(torch.float64), c), c), c, o, ftz)
 
 
 def swiglu(x: torch.Tensor, dim: int = -1, *, fused: bool = False, compute_fmt="fp32", out_fmt=None) -> torch.Tensor:

@@ -29,6 +29,11 @@ What is emulated (``n`` terms per output, all outputs vectorised):
    a sequential or ring all-reduce as seen by one element) or pairwise (a tree);
 4. the result is rounded to ``out_fmt``.
 
+With ``summation.ftz`` every rounded product, partial sum, conversion and the result whose
+magnitude lies below the normal range of its format is replaced by zero (flush to zero, as
+AVX512-BF16 ``vdpbf16ps`` or a GPU tensor core may do), and :func:`emulate_matmul` reads
+inputs below the normal range of their dtype as zero (DAZ).
+
 A matmul's bias (``F.linear``) is the ``K+1``-th term of each output's sum, as in the
 bound (:func:`ttrace_num.bounds.matmul.matmul`).
 
@@ -74,38 +79,43 @@ def _check_emulable(fmt: FloatFormat) -> None:
                          "a correct rounding only for precisions <= 25 bits")
 
 
-def _convert(x: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+def _flush(x: torch.Tensor, fmt: FloatFormat, ftz: bool) -> torch.Tensor:
+    """``x`` with the values below ``fmt``'s normal range replaced by zero when ``ftz``."""
+    return x.masked_fill(x.abs() < fmt.min_normal, 0.0) if ftz else x
+
+
+def _convert(x: torch.Tensor, fmt: FloatFormat, ftz: bool = False) -> torch.Tensor:
     """``x`` rounded once to ``fmt``, held in ``fmt``'s torch dtype when it has a native one,
     else in float64. To fp32/fp64 the cast itself is the single IEEE rounding; to the other
     formats ``round_to`` rounds (torch would cast float64 to bf16/fp16 through fp32, twice)."""
     dt = _native_dtype(fmt)
     if fmt.name in ("fp64", "fp32"):
-        return x.to(dt)
-    r = round_to(x.to(torch.float64), fmt)
+        return _flush(x.to(dt), fmt, ftz)
+    r = _flush(round_to(x.to(torch.float64), fmt), fmt, ftz)
     return r if dt is None else r.to(dt)
 
 
-def _add(a: torch.Tensor, b: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+def _add(a: torch.Tensor, b: torch.Tensor, fmt: FloatFormat, ftz: bool = False) -> torch.Tensor:
     """``fl_fmt(a + b)`` for ``a``, ``b`` on ``fmt``'s grid (see the module docstring)."""
     if _native_dtype(fmt) is not None:
-        return a + b
-    return round_to(a + b, fmt)
+        return _flush(a + b, fmt, ftz)
+    return _flush(round_to(a + b, fmt), fmt, ftz)
 
 
-def _chain(t: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+def _chain(t: torch.Tensor, fmt: FloatFormat, ftz: bool = False) -> torch.Tensor:
     """Left-to-right chain over the last dim."""
     ts = t.movedim(-1, 0).contiguous()
     acc = ts[0]
     for i in range(1, ts.shape[0]):
-        acc = _add(acc, ts[i], fmt)
+        acc = _add(acc, ts[i], fmt, ftz)
     return acc
 
 
-def _pairwise(t: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+def _pairwise(t: torch.Tensor, fmt: FloatFormat, ftz: bool = False) -> torch.Tensor:
     while t.shape[-1] > 1:
         m = t.shape[-1]
         h = m // 2
-        s = _add(t[..., 0:2 * h:2], t[..., 1:2 * h:2], fmt)
+        s = _add(t[..., 0:2 * h:2], t[..., 1:2 * h:2], fmt, ftz)
         t = torch.cat([s, t[..., 2 * h:]], dim=-1) if m % 2 else s
     return t[..., 0]
 
@@ -117,18 +127,18 @@ def _pad_to(t: torch.Tensor, length: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(*t.shape[:-1], extra)], dim=-1)
 
 
-def _tree(t: torch.Tensor, fmt: FloatFormat, algorithm: str, block: int) -> torch.Tensor:
+def _tree(t: torch.Tensor, fmt: FloatFormat, algorithm: str, block: int, ftz: bool = False) -> torch.Tensor:
     """Sum over the last dim of ``t`` (values on ``fmt``'s grid) with one algorithm."""
     if algorithm == "recursive":
-        return _chain(t, fmt)
+        return _chain(t, fmt, ftz)
     if algorithm == "pairwise":
-        return _pairwise(t, fmt)
+        return _pairwise(t, fmt, ftz)
     if algorithm == "blocked":
         n = t.shape[-1]
         b = max(1, min(block, n))
         nb = math.ceil(n / b)
         blocks = _pad_to(t, nb * b).reshape(*t.shape[:-1], nb, b)
-        return _chain(_chain(blocks, fmt), fmt)
+        return _chain(_chain(blocks, fmt, ftz), fmt, ftz)
     raise ValueError(f"unknown summation algorithm {algorithm!r}")
 
 
@@ -146,16 +156,16 @@ def emulate_terms(terms: torch.Tensor, summation: Summation, out_fmt: "FloatForm
     n = terms.shape[-1]
     if n == 0:
         return round_to(terms.new_zeros(terms.shape[:-1], dtype=torch.float64), out_fmt)
-    t = _convert(terms, s.accum)
+    t = _convert(terms, s.accum, s.ftz)
     if s.split > 1:
         ps = s.part_size(n)
         parts = math.ceil(n / ps)
         t = _pad_to(t, parts * ps).reshape(*t.shape[:-1], parts, ps)
-        partial = _tree(t, s.accum, s.algorithm, s.block)
-        r = _tree(_convert(partial, rf), rf, s.reduce_algorithm, s.block)
+        partial = _tree(t, s.accum, s.algorithm, s.block, s.ftz)
+        r = _tree(_convert(partial, rf, s.ftz), rf, s.reduce_algorithm, s.block, s.ftz)
     else:
-        r = _tree(t, s.accum, s.algorithm, s.block)
-    return round_to(r.to(torch.float64), out_fmt)
+        r = _tree(t, s.accum, s.algorithm, s.block, s.ftz)
+    return _flush(round_to(r.to(torch.float64), out_fmt), out_fmt, s.ftz)
 
 
 def emulate_sum(x: torch.Tensor, dim: int, summation: Summation, out_fmt: "FloatFormat | str") -> torch.Tensor:
@@ -190,13 +200,14 @@ def emulate_matmul(a: torch.Tensor, b: torch.Tensor, summation: Summation, out_f
     """
     if a.dim() < 2 or b.dim() < 2:
         raise ValueError("emulate_matmul needs inputs with at least 2 dims")
-    a64, b64 = a.detach().to(torch.float64), b.detach().to(torch.float64)
+    a64, b64 = (_flush(t.detach().to(torch.float64), get_format(t.dtype), summation.ftz) for t in (a, b))
     batch = torch.broadcast_shapes(a64.shape[:-2], b64.shape[:-2])
     m, k = a64.shape[-2:]
     n_out = b64.shape[-1]
     a64 = a64.expand(*batch, m, k)
     bt = b64.expand(*batch, k, n_out).transpose(-1, -2)  # (..., N, K)
-    bias64 = None if bias is None else bias.detach().to(torch.float64).expand(*batch, m, n_out)
+    bias64 = None if bias is None else \
+        _flush(bias.detach().to(torch.float64), get_format(bias.dtype), summation.ftz).expand(*batch, m, n_out)
     rows = max(1, _MAX_TERMS // max(1, math.prod(batch) * n_out * (k + 1)))
     out = []
     for r0 in range(0, m, rows):
