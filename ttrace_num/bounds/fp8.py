@@ -174,6 +174,7 @@ Mary, SISC 41(5) 2019; Connolly, Higham & Mary, SISC 43(1) 2021.
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -186,11 +187,11 @@ from ..rounding import round_to
 from .base import Bound, Explanation, lambda_for
 from .common import f64, register, resolve_mode
 from .matmul import matmul, matmul_statistics, partial_abs_sum
-from .summation import (Depths, Summation, conversion_exact, output_rounding, sum_error_bound,
+from .summation import (Depths, Summation, conversion_exact, sum_error_bound,
                         underflow_term)
 
 __all__ = ["quantize", "scaled_matmul", "quantized_matmul", "ScaledGemm", "QuantError", "quantization_error",
-           "expand_scale", "TENSOR_CORE_ACCUM", "DEFAULT_QUANT_FMT"]
+           "expand_scale", "TENSOR_CORE_ACCUM", "DEFAULT_QUANT_FMT", "torch_cast_overflow", "cast_error"]
 
 ScaleApplication = Literal["epilogue", "inputs"]
 Dequant = Literal["scale_inv", "divide"]
@@ -206,6 +207,45 @@ SOURCE_Q = ("OCP OFP8 v1.0 (2023) §5; OCP MX v1.0 (2023) §6.3; Micikevicius et
             "NVIDIA Transformer Engine docs (delayed/current/block scaling); Higham (2002) Thm 2.2")
 SOURCE_G = ("DeepSeek-V3 technical report arXiv 2412.19437 §3.3.2 (promotion interval); Higham (2002) §3.1, §4.2; "
             "Higham & Mary SISC 2019; Connolly, Higham & Mary SISC 2021; torch Blas.cpp _scaled_mm_out_cpu_emulated")
+
+
+@functools.lru_cache(maxsize=None)
+def torch_cast_overflow(fmt: FloatFormat) -> str:
+    """What a cast to ``fmt`` does with a finite value beyond ``fmt.max`` (module docstring,
+    "Overflow"): ``"saturate"``, ``"inf"`` or ``"nan"``. For a format with a torch dtype, torch's
+    own cast is probed (torch 2.13 CPU: ``float8_e4m3fn`` saturates, even ``+-inf``;
+    ``float8_e5m2`` overflows to ``+-inf``; the ``fnuz`` types give NaN); otherwise the format's
+    default (OCP MX element formats saturate; a ``custom`` format: its ``overflow``)."""
+    if fmt.torch_dtype is None:
+        return fmt.default_overflow
+    r = float(torch.tensor([fmt.max * 4.0], dtype=torch.float32).to(fmt.torch_dtype).to(torch.float32))
+    return "saturate" if r == fmt.max else ("inf" if math.isinf(r) else "nan")
+
+
+def _overflow(fmt: FloatFormat, saturate: bool | None, recipe: "scaling.ScalingRecipe | None" = None) -> str:
+    """The overflow behaviour a conversion to ``fmt`` is modelled with: ``saturate=True``: the recipe
+    clamps to ``+-fmt.max`` before casting (TE, Megatron, torchao MX); ``False``: the cast alone
+    (:func:`torch_cast_overflow`); ``None``: clamped for MX recipes (OCP MX v1.0 §6.3 mandates it),
+    else the cast alone."""
+    if saturate is None:
+        saturate = recipe is not None and recipe.granularity == "mx"
+    if not isinstance(saturate, bool):
+        raise TypeError(f"saturate must be True, False or None, got {saturate!r}")
+    return "saturate" if saturate else torch_cast_overflow(fmt)
+
+
+def cast_error(mag: torch.Tensor, fmt: FloatFormat, overflow: str) -> torch.Tensor:
+    """Bound on ``|cast(y) - y|`` for every ``|y| <= mag`` (round to nearest): ``half_ulp_fmt(mag)``
+    up to ``fmt.max``; ``half_ulp_fmt(fmt.max)`` for ``fmt.max < mag < fmt.max + half_ulp_fmt(fmt.max)``
+    (such values round to ``+-fmt.max``: RN is monotone and ``fmt.max`` is on the grid); beyond:
+    ``max(half_ulp(max), mag - fmt.max)`` if the cast saturates, else ``inf`` (the result is
+    ``+-inf`` or NaN: no finite claim; the tie at the threshold rounds away, ``fmt.max`` having an
+    odd significand)."""
+    top = half_ulp(torch.tensor(fmt.max, dtype=torch.float64), fmt)
+    below = half_ulp(mag.clamp(max=fmt.max), fmt)
+    if overflow == "saturate":
+        return torch.where(mag > fmt.max, torch.maximum(top.expand_as(mag), mag - fmt.max), below)
+    return torch.where(mag >= fmt.max + top, torch.full_like(mag, math.inf), below)
 
 
 def _is_pow2(t: torch.Tensor) -> torch.Tensor:
@@ -246,13 +286,15 @@ def _precision(x: torch.Tensor) -> int:
 
 def quantization_error(x: torch.Tensor, fmt: "FloatFormat | str", recipe: "scaling.ScalingRecipe | str",
                        amax=None, compute_fmt: "FloatFormat | str" = FP32,
-                       dequant: Dequant = "scale_inv") -> QuantError:
+                       dequant: Dequant = "scale_inv", saturate: bool | None = None) -> QuantError:
     """Bound on ``|q s_inv - x|`` (``dequant="scale_inv"``) or ``|q/s - x|`` (``"divide"``) per
     element, before the dequantization is rounded; see the module docstring (model 1).
+    ``saturate``: see :func:`quantize` (elements whose cast may overflow to inf/NaN get ``inf``).
 
     ``x`` must convert exactly to ``compute_fmt`` (bf16/fp16/fp32 into fp32)."""
     fmt, c = get_format(fmt), get_format(compute_fmt)
     recipe = scaling.get_recipe(recipe)
+    overflow = _overflow(fmt, saturate, recipe)
     px = _precision(x)
     if px > c.precision:
         raise ValueError(f"x of dtype {x.dtype} does not convert exactly to compute_fmt={c}; "
@@ -270,10 +312,8 @@ def quantization_error(x: torch.Tensor, fmt: "FloatFormat | str", recipe: "scali
     mult_exact = pow2 | (px + recipe.scale_format.precision <= c.precision)
     e1 = torch.where(mult_exact & (a >= c.min_normal), torch.zeros_like(a), half_ulp(a, c))
     t_hi = a + e1
-    sat = t_hi > fmt.max
-    top = half_ulp(torch.tensor(fmt.max, dtype=torch.float64), fmt)
-    rnd = torch.where(sat, torch.maximum(top.expand_as(t_hi), t_hi - fmt.max), half_ulp(t_hi.clamp(max=fmt.max), fmt))
-    e_s = rnd + e1
+    sat = t_hi > fmt.max  # may round to (saturating) or beyond (overflowing cast) +-fmt.max
+    e_s = cast_error(t_hi, fmt, overflow) + e1
     if dequant == "scale_inv":
         d_scaled = s_inv * e_s
         d_scale = ax * (s * s_inv - 1.0).abs()
@@ -300,8 +340,8 @@ def _dequant_rounding(qe: QuantError, x: torch.Tensor, fmt: FloatFormat, c: Floa
 
 @register("quantize", "fake_quant")
 def quantize(x: torch.Tensor, *, fmt=None, recipe: "scaling.ScalingRecipe | str" = "tensor", amax=None,
-             compute_fmt=None, out_fmt=None, dequant: Dequant = "scale_inv", mode: str = "deterministic",
-             failure_probability: float | None = None) -> Bound:
+             compute_fmt=None, out_fmt=None, dequant: Dequant = "scale_inv", saturate: bool | None = None,
+             mode: str = "deterministic", failure_probability: float | None = None) -> Bound:
     """Elementwise bound on ``|dequantize(quantize(x)) - x|`` (model 1 of the module docstring).
 
     Args:
@@ -315,20 +355,27 @@ def quantize(x: torch.Tensor, *, fmt=None, recipe: "scaling.ScalingRecipe | str"
         out_fmt: format the dequantized tensor is stored in (default ``compute_fmt``).
         dequant: ``"scale_inv"`` (``q * RN(1/s)``, TE / ``_scaled_mm`` / scaling.py) or
             ``"divide"`` (``q / s``).
+        saturate: ``True``: ``x s`` is clamped to ``+-fmt.max`` before the cast (TE, Megatron,
+            torchao MX); ``False``: the cast's own overflow (torch's: ``e4m3`` saturates,
+            ``e5m2`` gives ``+-inf``, ``fnuz`` NaN: :func:`torch_cast_overflow`), the bound is
+            ``inf`` on elements that may overflow; ``None`` (default): ``True`` for MX recipes
+            (OCP MX v1.0 §6.3), else ``False``.
     """
     fmt = get_format(fmt) if fmt is not None else DEFAULT_QUANT_FMT
     c = get_format(compute_fmt) if compute_fmt is not None else FP32
     out = get_format(out_fmt) if out_fmt is not None else c
     ms = resolve_mode(mode, failure_probability)
-    qe = quantization_error(x, fmt, recipe, amax, c, dequant)
+    qe = quantization_error(x, fmt, recipe, amax, c, dequant, saturate)
+    overflow = _overflow(fmt, saturate, qe.quantized.recipe)
     e3 = _dequant_rounding(qe, x, fmt, c, dequant)
     mag = f64(x).abs() + qe.total + e3
-    bound = qe.total + e3 + output_rounding(mag, c, out)
+    bound = qe.total + e3 + _output_cast(mag, c, out)
     values = {"fmt": str(fmt), "recipe": str(qe.quantized.recipe), "compute": str(c), "out": str(out),
-              "dequant": dequant, "possibly_saturating": int(qe.saturating.sum()),
+              "dequant": dequant, "overflow": overflow, "possibly_saturating": int(qe.saturating.sum()),
               "u_fmt": fmt.u, "max_rel_bound": float((bound / f64(x).abs()).nan_to_num(0, 0, 0).max())
               if x.numel() else 0.0}
-    assumptions = ["saturating conversion to fmt (OCP OFP8/MX); round to nearest even",
+    assumptions = [f"conversion to fmt: round to nearest even; beyond +-max: {overflow}"
+                   + (" (bound inf where it may overflow)" if overflow != "saturate" else ""),
                    "x*s computed in compute_fmt from x stored exactly in it",
                    f"dequantization {'q * scale_inv' if dequant == 'scale_inv' else 'q / s'} rounded to {c}"]
     if ms.mode == "probabilistic":
@@ -338,7 +385,7 @@ def quantize(x: torch.Tensor, *, fmt=None, recipe: "scaling.ScalingRecipe | str"
                  explanation=Explanation(
                      op="quantize",
                      formula="|x'-x| <= D + e3 + half_ulp_out(|x|+D+e3); D = s_inv*E_s + |x||s*s_inv-1|, "
-                             "E_s = e1 + (half_ulp_fmt(|x|s+e1) | saturation |x|s+e1-fmt.max)",
+                             "E_s = e1 + (half_ulp_fmt(|x|s+e1) | saturation |x|s+e1-fmt.max | overflow inf)",
                      source=SOURCE_Q, assumptions=tuple(assumptions), values=values))
 
 
@@ -497,13 +544,16 @@ def _gemm_bound(qa: torch.Tensor, qb: torch.Tensor, sa: torch.Tensor, sb: torch.
         deq = _propagate(a_deq.abs(), r_a, zero_a, b_deq.abs(), r_b, zero_b, mode, _lam(mode, p / 2))
         # products of the GEMM's operands are exact when the scales are powers of two
         # (operands keep the elements' precision) and 2 max(p_a, p_b) <= p_accum
-        storage = max((fa, fb), key=lambda f: f.precision) if pow2_a and pow2_b else acc_f
-        mm = matmul(a_in, b_in, fmt=storage, compute_fmt=acc_f, out_fmt=model.out, mode=mode,
+        # (A' holds the elements' significands on fp32's exponent range: a custom format says so)
+        storage = (custom(acc_f.exponent_bits, max(fa.mantissa_bits, fb.mantissa_bits), acc_f.bias)
+                   if pow2_a and pow2_b else acc_f)
+        mm = matmul(a_in, b_in, fmt=storage, compute_fmt=acc_f, out_fmt=acc_f, mode=mode,
                     failure_probability=p / 2 if mode == "probabilistic" else None)
         ymag = matmul_statistics(a_deq, b_deq)[1]
         values = {"K": qa.shape[-1], "model": model.describe(), "max_dequant_term": float(deq.max()) if
                   deq.numel() else 0.0, **dict(mm.explanation.values)}
-        return deq + mm.abs, ymag, values, GEMM_FORMULA["inputs"]
+        err = deq + mm.abs
+        return err + _output_cast(ymag + err, acc_f, model.out), ymag, values, GEMM_FORMULA["inputs"]
     summ, k_pad, varying = model.summation(qa.shape[-1], k_block)
     a_p, b_p = _pad_k(a_deq, b_deq, k_pad)
     s, ymag, _ = matmul_statistics(a_p, b_p)
@@ -517,7 +567,16 @@ def _gemm_bound(qa: torch.Tensor, qb: torch.Tensor, sa: torch.Tensor, sb: torch.
     if varying and scale_levels:  # the scale roundings happen once per partial, each may underflow
         acc = acc + underflow_term({acc_f: (summ.parts(k_pad) - 1) * scale_levels})
     values.update(model=model.describe(), scale_levels=scale_levels, formats=f"{fa} x {fb}")
-    return acc + output_rounding(ymag + acc, acc_f, model.out), ymag, values, GEMM_FORMULA["epilogue"]
+    return acc + _output_cast(ymag + acc, acc_f, model.out), ymag, values, GEMM_FORMULA["epilogue"]
+
+
+def _output_cast(mag: torch.Tensor, acc_f: FloatFormat, out: FloatFormat) -> torch.Tensor:
+    """The GEMM result's conversion from ``acc_f`` to ``out`` (module docstring, "Overflow"): torch's
+    ``_scaled_mm`` (CPU, 2.13) saturates an ``e4m3`` output at 448, and gives ``inf`` for ``e5m2``,
+    fp16 or bf16 beyond their range: :func:`cast_error` with :func:`torch_cast_overflow`."""
+    if conversion_exact(acc_f, out):
+        return torch.zeros_like(mag)
+    return cast_error(mag, out, torch_cast_overflow(out))
 
 
 def _model(compute_fmt, out_fmt, promotion_interval, inner_accum_fmt, scale_application) -> ScaledGemm:
@@ -574,15 +633,16 @@ def quantized_matmul(a: torch.Tensor, b: torch.Tensor, *, fmt=None, fmt_a=None, 
                      recipe: "scaling.ScalingRecipe | str" = "tensor", recipe_a=None, recipe_b=None,
                      amax_a=None, amax_b=None, compute_fmt=None, out_fmt=None,
                      promotion_interval: int | None = None, inner_accum_fmt=None,
-                     scale_application: ScaleApplication = "epilogue", mode: str = "deterministic",
-                     failure_probability: float | None = None) -> Bound:
+                     scale_application: ScaleApplication = "epilogue", saturate: bool | None = None,
+                     mode: str = "deterministic", failure_probability: float | None = None) -> Bound:
     """Elementwise bound on ``|computed - A @ B|`` for quantize-both-then-scaled-GEMM (model 3).
 
     ``A`` (M,K) is quantized with ``recipe_a`` and ``B`` (K,N) through ``B.T`` (N,K) with
     ``recipe_b`` (both default ``recipe``), each to its format (default ``fmt``, else E4M3),
     with delayed-scaling amaxes ``amax_a`` / ``amax_b`` (compact shapes of ``A`` / ``B.T``);
     ``x * s`` in ``compute_fmt`` (fp32); the GEMM consumes ``Q`` and ``scale_inv`` as
-    :func:`scaled_matmul` describes (the remaining arguments are its model).
+    :func:`scaled_matmul` describes (the remaining arguments are its model). ``saturate``: the
+    quantization's overflow, as :func:`quantize` (``inf`` where a cast may overflow).
     """
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"quantized_matmul needs (M,K) @ (K,N) inputs, got {tuple(a.shape)} and {tuple(b.shape)}")
@@ -594,8 +654,8 @@ def quantized_matmul(a: torch.Tensor, b: torch.Tensor, *, fmt=None, fmt_a=None, 
     ms = resolve_mode(mode, failure_probability)
     # the failure probability is shared equally by the quantization part and the GEMM part
     p = ms.failure_probability / 2
-    qa = quantization_error(a, fa, ra, amax_a, model.accum)
-    qbt = quantization_error(b.transpose(0, 1), fb, rb, amax_b, model.accum)
+    qa = quantization_error(a, fa, ra, amax_a, model.accum, saturate=saturate)
+    qbt = quantization_error(b.transpose(0, 1), fb, rb, amax_b, model.accum, saturate=saturate)
     za, zbt = qa.quantized, qbt.quantized
     sa, sb = za.expand(za.scale_inv), zbt.expand(zbt.scale_inv).transpose(0, 1)
     kb = math.gcd(_k_block(ra, a.shape[1]), _k_block(rb, a.shape[1]))
@@ -611,7 +671,9 @@ def quantized_matmul(a: torch.Tensor, b: torch.Tensor, *, fmt=None, fmt_a=None, 
     formula = ("|err| <= Det_A(|B|+D_B) + |A|Det_B + " +
                ("R_A(|B|+D_B) + |A|R_B" if ms.mode == "deterministic"
                 else "min(R_A(|B|+D_B) + |A|R_B, lambda sqrt(R_A^2(|B|+D_B)^2 + A^2 R_B^2))") + " + GEMM bound")
-    assumptions = ["B quantized through B^T (recipes along K)", "saturating conversions, round to nearest even"]
+    assumptions = ["B quantized through B^T (recipes along K)",
+                   f"conversions: round to nearest even; beyond +-max: A {_overflow(fa, saturate, ra)}, "
+                   f"B {_overflow(fb, saturate, rb)} (inf bound where a non-saturating cast may overflow)"]
     if ms.mode == "probabilistic":
         assumptions.append("quantization and accumulation rounding errors mean-independent (Higham-Mary model); "
                            "failure probability split equally between quantization and GEMM")

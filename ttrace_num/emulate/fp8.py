@@ -130,7 +130,7 @@ def emulate_quantized_matmul(a: torch.Tensor, b: torch.Tensor, *, fmt_a: "FloatF
 
 
 def _cast(t: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
-    """fp32 ``t`` (already within +-fmt.max) cast to ``fmt`` by torch (fp8 dtypes) or ml_dtypes
+    """fp32 ``t`` cast to ``fmt`` by torch (fp8 dtypes) or ml_dtypes
     (FP6/FP4), round to nearest even, and back to fp32 (exact)."""
     if fmt.torch_dtype is not None:
         return t.to(fmt.torch_dtype).float()
@@ -140,14 +140,17 @@ def _cast(t: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
 
 
 def cast_fake_quant(x: torch.Tensor, fmt: "FloatFormat | str", recipe: "scaling.ScalingRecipe | str" = "tensor",
-                    amax=None) -> torch.Tensor:
+                    amax=None, saturate: bool = True) -> torch.Tensor:
     """What a TE-style fp32 kernel computes, with real casts: ``t = fp32(x * s)`` (MX: ``x *
-    (1/X)``, exact), clamp to ``+-fmt.max`` (saturation), cast to ``fmt``, ``fp32(q * scale_inv)``;
+    (1/X)``, exact), clamp to ``+-fmt.max`` (saturation; ``saturate=False``: no clamp, the cast's
+    own overflow: torch's ``e5m2`` gives ``inf``, ``fnuz`` NaN), cast to ``fmt``, ``fp32(q * scale_inv)``;
     scales from :func:`ttrace_num.scaling.quantize`. Returns float64 (fp32 values)."""
     f = get_format(fmt)
     qz = scaling.quantize(x, f, recipe, amax)
     s, s_inv = qz.expand(qz.scale).float(), qz.expand(qz.scale_inv).float()
-    t = (x.float() * s).clamp(-f.max, f.max)
+    t = x.float() * s
+    if saturate:
+        t = t.clamp(-f.max, f.max)
     return (_cast(t, f) * s_inv).double()
 
 
