@@ -5,7 +5,8 @@
 * :mod:`.mp` -- mpmath working precision (``workdps``), exact tensor <-> mpf
   conversion, correctly rounded mpf -> float64.
 * :mod:`.ops` -- mpmath references (>= 40 digits, default 50) for softmax, log_softmax,
-  cross_entropy, layer_norm, rms_norm, gelu, silu, swiglu, sum and mean.
+  cross_entropy, layer_norm, rms_norm, gelu, silu, swiglu, sum and mean; exact rational
+  references for mse_loss and its gradient.
 * :data:`REFERENCES` -- the exact reference of every registered op (``ttrace_num.ops()``)
   that has one, by op name (the op-coverage test, ``tests/test_op_coverage.py``, checks
   that every op is in it or exempt with a reason).
@@ -31,6 +32,8 @@ from .ops import (
     layer_norm,
     log_softmax,
     mean_ref,
+    mse_loss,
+    mse_loss_backward,
     rms_norm,
     silu,
     softmax,
@@ -67,6 +70,8 @@ __all__ = [
     "swiglu",
     "sum_ref",
     "mean_ref",
+    "mse_loss",
+    "mse_loss_backward",
     "REFERENCES",
 ]
 
@@ -102,6 +107,8 @@ REFERENCES: dict[str, str] = {
     "attention_dv": "ttrace_num.emulate.attention:exact_attention_backward",
     "scaled_matmul": "ttrace_num.reference.dot:exact_scaled_matmul",
     "quantized_matmul": "ttrace_num.reference.dot:exact_matmul",
+    "mse_loss": "ttrace_num.reference.ops:mse_loss",
+    "mse_loss_backward": "ttrace_num.reference.ops:mse_loss_backward",
     "linear_backward_input": _G + "exact_linear_backward_input",
     "linear_backward_weight": _G + "exact_linear_backward_weight",
     "linear_backward_bias": _G + "exact_linear_backward_bias",

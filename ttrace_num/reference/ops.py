@@ -19,6 +19,8 @@ a nearly equal one:
   is then formed exactly and rounded once (``+ b`` cancelling is harmless);
 * gelu / silu: ``x/2 + (x/2) f`` with f = erf or tanh (exact sum) where ``f >= -0.77``,
   and ``x/2 erfc(-x/sqrt 2)`` / ``x / (1 + exp(-2u))`` in the negative tail.
+* mse_loss and its gradient are rational in the inputs: computed exactly
+  (``fractions.Fraction``) and rounded once, so always correctly rounded.
 
 ``x - m`` is exact. So before the final rounding every result has relative error below
 ~2^-(prec - 12) (~5e-48 at dps=50; the worst cases are erfc / exp of large arguments,
@@ -53,6 +55,7 @@ so bf16/fp8 inputs are cheap (gelu on a (32, 4096) bf16 tensor: ~0.1 s).
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import Sequence
 
 import numpy as np
@@ -658,3 +661,60 @@ def mean_ref(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> 
         except OverflowError:
             out.append(_INF if S > 0 else -_INF)
     return torch.tensor(out, dtype=torch.float64).reshape(out_shape)
+
+
+# ----------------------------------------------------------------------------- mse loss
+_MSE_REDUCTIONS = ("none", "mean", "sum")
+
+
+def _mse_inputs(x: torch.Tensor, y: torch.Tensor, reduction: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if reduction not in _MSE_REDUCTIONS:
+        raise ValueError(f"reduction must be one of {_MSE_REDUCTIONS}, got {reduction!r}")
+    if x.shape != y.shape:
+        raise ValueError(f"mse_loss reference: input {tuple(x.shape)} and target {tuple(y.shape)} must have the "
+                         "same shape (broadcast them first)")
+    return _f64(x), _f64(y)
+
+
+def _to_float(q: Fraction) -> float:
+    """``q`` rounded to nearest float64 (``Fraction.__float__`` divides two ints: correctly
+    rounded), overflow to ``+-inf``."""
+    try:
+        return float(q)
+    except OverflowError:
+        return _INF if q > 0 else -_INF
+
+
+def mse_loss(x: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Correctly rounded ``F.mse_loss(x, y, reduction)``: ``(x - y)^2`` per element
+    (``"none"``), their sum (``"sum"``) or the sum divided by ``n`` (``"mean"``), each the exact
+    rational value (every float is a dyadic rational: ``fractions.Fraction``, exact) rounded
+    once. Non-finite inputs follow IEEE float64 arithmetic (NaN, inf)."""
+    x64, y64 = _mse_inputs(x, y, reduction)
+    if not (torch.isfinite(x64).all() and torch.isfinite(y64).all()):
+        sq = (x64 - y64) ** 2
+        return sq if reduction == "none" else (sq.sum() if reduction == "sum" else sq.mean())
+    sq = [(Fraction(a) - Fraction(b)) ** 2 for a, b in zip(x64.reshape(-1).tolist(), y64.reshape(-1).tolist())]
+    if reduction == "none":
+        return torch.tensor([_to_float(q) for q in sq], dtype=torch.float64).reshape(x64.shape)
+    if reduction == "mean" and not sq:
+        return torch.tensor(_NAN, dtype=torch.float64)  # torch: the mean of no elements
+    total = sum(sq, Fraction(0))
+    return torch.tensor(_to_float(total / len(sq) if reduction == "mean" else total), dtype=torch.float64)
+
+
+def mse_loss_backward(x: torch.Tensor, y: torch.Tensor, grad_output: torch.Tensor,
+                      reduction: str = "mean") -> torch.Tensor:
+    """Correctly rounded ``d F.mse_loss(x, y, reduction) / d x`` given the upstream gradient:
+    ``norm (x - y) grad_output`` with ``norm = 2 / n`` for ``"mean"``, else 2 (``grad_output`` a
+    scalar for ``"mean"``/``"sum"``, of ``x``'s shape for ``"none"``), exact (``Fraction``) and
+    rounded once. Non-finite inputs follow IEEE float64 arithmetic."""
+    x64, y64 = _mse_inputs(x, y, reduction)
+    g64 = torch.broadcast_to(_f64(torch.as_tensor(grad_output)), x64.shape)
+    n = x64.numel()
+    if not all(bool(torch.isfinite(t).all()) for t in (x64, y64, g64)):
+        return (2.0 / max(n, 1) if reduction == "mean" else 2.0) * (x64 - y64) * g64
+    norm = Fraction(2, max(n, 1)) if reduction == "mean" else Fraction(2)
+    out = [_to_float(norm * (Fraction(a) - Fraction(b)) * Fraction(g))
+           for a, b, g in zip(x64.reshape(-1).tolist(), y64.reshape(-1).tolist(), g64.reshape(-1).tolist())]
+    return torch.tensor(out, dtype=torch.float64).reshape(x64.shape)
