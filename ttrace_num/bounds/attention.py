@@ -44,6 +44,59 @@ input dtype before the second GEMM) and torch's CPU flash kernel (``FlashAttenti
    torch's CPU ``scaled_dot_product_attention`` (flash kernel) is this model with
    ``b = 512`` (``kvSplitSize``), ``p_fmt = fmt``, exp = ``Vectorized::exp_u20`` (see
    :data:`EXP_U20_ULPS`): :func:`torch_cpu_sdpa_model` returns these settings.
+4. ``exp2=True`` (GPU kernels: FlashAttention-2/3 ``scale_apply_exp2``, the memory-efficient
+   kernel): ``e_j = exp2_c(fl_c(fl_c(S_j c2) - fl_c(m_t c2)))`` with ``S_j = q.k_j`` unscaled and
+   ``c2 = fl(scale log2 e)`` (FA2 fuses the first product into an FMA; torch's build, with
+   ``UNFUSE_FMA``, rounds it); rescale ``alpha = exp2_c(fl_c(fl_c(m_{t-1} - m_t) c2))``. Each
+   rounding at magnitude ``y`` (log2 units) errs by ``<= u_c y``, i.e. ``<= u_c y ln 2`` in natural
+   units, and ``y ln 2`` is the natural-unit magnitude (``ln 2 log2 e = 1``), so the shift error is
+   ``h_j = u_c (|s_j - m_t| + |s_j| + |m_t| + 3 (Delta_j + dt_j))`` (three roundings: the product,
+   the max's product, the subtraction; the rounding of ``m_t c2`` is *not* relative to ``s_j - m_t``)
+   and the rescale's ``h_alpha = 2 u_c (|m_{t-1} - m_t| + 2 dt)``; ``c2``'s own error is a
+   relative error common to all scores (``eps_sc``: two roundings). Exp: ``GPU_EXP_ULPS``.
+
+Default: the kernels torch runs (``algorithm=None``)
+----------------------------------------------------
+A user testing ``scaled_dot_product_attention`` does not choose the kernel: torch picks the
+math backend (``_scaled_dot_product_attention_math``, any device: bf16/fp16 inputs upcast to
+fp32 unless ``allowFP16BF16ReductionMathSDP`` is set, ``q`` and ``k`` each scaled by
+``sqrt(scale)``, a materialised softmax), its CPU flash kernel,
+or on GPU FlashAttention-2 or the memory-efficient kernel. Their models differ in the
+roundings (``P`` rounded to the input dtype before the ``P V`` GEMM in every flash-type
+kernel: FA2 converts the fp32 ``P`` fragment to the element type for the second MMA, the CPU
+kernel stores it in ``scalar_t``; the math backend keeps ``P`` in fp32), in the blocks
+(``T = ceil(Lk / b)`` rescales) and in the exp. Measured: torch's CPU SDPA violated the
+``standard`` model (``P`` in fp32) on 0.3-28% of its bf16/fp16 outputs (L = 256-1024). The
+default bound is the elementwise maximum over the kernels (each bound holds for its kernel,
+so the maximum holds for whichever runs): the math backend (``standard``, ``p_fmt = c``,
+exp within :data:`GPU_EXP_ULPS` (CUDA ``expf``; the CPU's is within 1)), torch's CPU flash
+kernel (:func:`torch_cpu_sdpa_model`), and the GPU online kernels (``exp2=True``, ``p_fmt`` =
+input dtype, :data:`GPU_EXP_ULPS`) with key blocks :data:`GPU_BLOCK_SIZES`. Stating one kernel
+(``algorithm=``, ``block_size=``, ``p_fmt=``, ``exp_ulps=``) gives its own, tighter bound. Not
+covered: FlashAttention-3's other block sizes (state them), tensor-core accumulation that
+is not IEEE fp32 (the GEMMs are modelled as fp32 round-to-nearest), manual attention with
+scores rounded to a narrow dtype (``score_fmt``), the math backend with
+``allowFP16BF16ReductionMathSDP`` (the same, in effect).
+
+Dead keys (``-1e9`` / ``finfo.min`` additive masks)
+---------------------------------------------------
+Every computed running max is ``>= m_low_t = max_{k in blocks <= t} (s_k - Delta_k)`` (it is the
+max of computed scores, each within ``Delta_k``). A key with ``s_j + Delta_j < m_low_t(j)``
+attains neither the exact nor the computed running max, so ``|m_hat_t - m_t| <= dt`` with
+``dt`` the max ``Delta`` over the *other* keys of the prefix. Its computed exp argument is
+``<= X_j = s_j - m_t + Delta_j + dt + u_c (|s_j - m_t| + Delta_j + dt)`` (plus the ``exp2`` terms);
+if ``X_j <= log(min_normal_c)`` the key is *dead*: its exact and computed weights both lie in
+``[0, min_normal_c (1 + c_e)]`` (a correct exp of an argument below ``log min_normal`` is at most
+``min_normal`` plus ``exp_ulps`` ulps, or flushed to 0), so its error is the absolute
+``eta_j <= 2 min_normal_c`` (the underflow term every model already carries) and it gets no
+relative perturbation (``Lambda_j = 0``), no share of ``max Lambda``, and its (huge) score error
+does not enter ``dt``. This is rigorous for any mask value; ``-inf`` is exact as before. A score
+whose rounding may overflow (``|s| + Delta >= max_c (1 + u_c)``) has a bounded error (``hu_c(max)``)
+only if it does not overflow; an overflow of a negative score gives ``-inf``, i.e. weight 0, which
+a dead key has anyway; on a live key there is no finite claim (``inf``). Limitation: in the
+online model a key block whose every key is masked and that precedes every unmasked key of its
+row (left padding longer than a block) keeps its keys live: their score errors (``~u |mask|``) then
+make the bound huge or ``inf``: never a wrong claim, but no useful one (use ``-inf`` or a bool mask).
 
 Rounding depths (for :mod:`.summation`'s ``theta``/``sigma``): scores ``d + 2``; standard:
 ``l``: ``Lk - 1``, ``P V``: ``Lk - 1`` (+1 if ``p_pf + p_fmt > p_c``: inexact products);

@@ -15,6 +15,7 @@ the scale ``s`` and its stored inverse ``s_inv = RN_sf(1/s)`` are given (``s`` f
     t  = fl_c(x * s)                        # x stored exactly in c
     q  = RN_fmt(t), saturating at +-fmt.max  # OCP OFP8 v1.0 §5 "saturating" conversion;
                                              # OCP MX v1.0 §6.3: elements clamped to +-max
+         | RN_fmt(t) with the cast's overflow # saturate=False: torch's cast ("Overflow" below)
     x' = fl_c(q * s_inv)  (dequant="scale_inv": TE, torch._scaled_mm, scaling.py)
        | fl_c(q / s)      (dequant="divide")
     x' rounded to out_fmt (default: c)
@@ -58,6 +59,24 @@ A computation of ``x s`` or of the dequantization that is more accurate than ``c
 Mode: one element is one or two roundings, for which the probabilistic model gives
 nothing smaller than the worst case, so the probabilistic bound equals the
 deterministic one (it holds with probability 1).
+
+Overflow (``saturate=``, :func:`torch_cast_overflow`, :func:`cast_error`). A recipe that clamps
+``x s`` to ``+-fmt.max`` before casting (TE and Megatron cast kernels, torchao/OCP MX) makes the
+saturation error above exact. A bare cast does what the dtype does beyond its range, measured
+on torch 2.13 (CPU): ``x.to(float8_e4m3fn)`` saturates at 448 (``+-inf`` too); ``float8_e5m2``
+rounds to nearest with overflow: values ``>= max + hu(max) = 61440`` become ``+-inf`` (those
+between 57344 and 61440 round to 57344); ``float8_e4m3fnuz`` / ``e5m2fnuz`` give NaN there. Hence
+``|cast(y) - y| <= hu_fmt(min(|y|, max))`` below ``max + hu_fmt(max)`` (RN is monotone and ``max``
+is on the grid; at the threshold the tie rounds away, ``max``'s significand being odd), and
+beyond it ``max(hu(max), |y| - max)`` for a saturating cast, ``inf`` (no finite claim) for an
+overflowing one. :func:`torch_cast_overflow` probes torch's cast of the format's dtype (formats
+without one: their declared overflow; the OCP MX element formats saturate). ``saturate=None``
+(default) is the clamp for MX recipes (the spec mandates it) and the bare cast otherwise:
+``e5m2`` with an amax spike (delayed scaling) now gives ``inf`` where torch gives ``inf``
+(previously a finite bound, violated on 617 of 2048 elements of such a tensor; ``e4m3fnuz``
+659 of 2048, NaN). The scaled GEMM's output cast (``out_fmt``) uses the same rule:
+``torch._scaled_mm`` saturates an ``e4m3`` output at 448 (the bound is finite there; it was
+``inf``) and overflows ``e5m2``/fp16 outputs to ``inf``.
 
 2. ``scaled_matmul``: the GEMM of quantized operands
 ----------------------------------------------------
