@@ -367,3 +367,40 @@ def test_flush_to_zero_leaves_normal_bf16_fp16_tightness_unchanged():
         a, b = (torch.where(t.abs() < 1e-3, torch.full_like(t, 1e-3), t).to(dt) for t in (a, b))
         new, old = matmul(a, b).abs, matmul(a, b, summation=Summation()).abs
         assert float((new / old).max()) < 1 + 1e-12
+
+
+LINEAR_INPUTS = {  # name: (bf16 input, torch's path)
+    "2d": (lambda g: torch.randn(16, 32, generator=g).bfloat16(), "fused"),
+    "3d_contiguous": (lambda g: torch.randn(4, 8, 32, generator=g).bfloat16(), "fused"),
+    "3d_transposed": (lambda g: torch.randn(8, 4, 32, generator=g).bfloat16().transpose(0, 1), "separate"),
+    "4d_transposed": (lambda g: torch.randn(2, 8, 2, 32, generator=g).bfloat16().transpose(1, 2), "separate"),
+    "3d_expanded": (lambda g: torch.randn(1, 8, 32, generator=g).bfloat16().expand(4, 8, 32), "separate"),
+}
+
+
+@pytest.mark.parametrize("name", list(LINEAR_INPUTS))
+def test_linear_bias_rounding_follows_torch(name):
+    """``F.linear`` with a bias on a non-contiguous N-D input is ``matmul`` (rounded to bf16) then
+    ``add_``: two roundings. The default bound follows torch's rule (it was one rounding: up to
+    22% of the elements violated), holds against the exact reference, and is unchanged for the
+    inputs torch sends to ``addmm``."""
+    g = _gen("linear", name)
+    make, path = LINEAR_INPUTS[name]
+    x = make(g)
+    w, b = torch.randn(64, 32, generator=g).bfloat16(), (torch.randn(64, generator=g) * 4).bfloat16()
+    y = F.linear(x, w, b)
+    two = torch.matmul(x, w.t()).add_(b)
+    assert torch.equal(y, two if path == "separate" else torch.addmm(b, x.reshape(-1, 32), w.t()).reshape(y.shape))
+    assert tn.bounds.matmul.torch_bias_rounding(x) == path
+    ones = torch.ones(*x.shape[:-1], 1, dtype=torch.float64)
+    exact = exact_matmul(torch.cat([x.double(), ones], -1), torch.cat([w.double().t(), b.double()[None]], 0))
+    err = (y.double() - exact).abs()
+    fused = linear(x, w, b, bias_rounding="fused").abs
+    for mode in ("deterministic", "probabilistic"):
+        assert int((err > linear(x, w, b, mode=mode).abs).sum()) == 0, mode
+    if path == "separate":
+        assert int((err > fused).sum()) > 0  # the one-rounding model (the default before) is violated
+    else:
+        assert torch.equal(linear(x, w, b).abs, fused)
+    with pytest.raises(ValueError, match="bias_rounding"):
+        linear(x, w, b, bias_rounding="twice")

@@ -91,14 +91,18 @@ the probabilistic form adds the two computations' unshared roundings in quadratu
 """
 from __future__ import annotations
 
+import os
+from typing import Literal
+
 import torch
 
-from ..formats import FloatFormat, get_format
+from ..formats import FloatFormat, get_format, half_ulp
 from .base import Bound, Explanation
 from .common import Precision, register, resolve_mode, resolve_precision
-from .summation import Summation, products_exact, sum_difference_bound, sum_error_bound
+from .summation import Summation, output_rounding, products_exact, sum_difference_bound, sum_error_bound
 
-__all__ = ["matmul", "linear", "matmul_difference", "matmul_statistics", "daz_term"]
+__all__ = ["matmul", "linear", "matmul_difference", "matmul_statistics", "daz_term", "magnitude_lower",
+           "torch_bias_rounding"]
 
 SOURCE = ("Higham, Accuracy and Stability of Numerical Algorithms (2002) §3.1, §4; probabilistic: "
           "Higham & Mary, SISC 41(5) 2019; Connolly, Higham & Mary, SISC 43(1) 2021 (martingale form)")
@@ -266,10 +270,54 @@ def matmul(a: torch.Tensor, b: torch.Tensor, *, bias: torch.Tensor | None = None
                                          assumptions=tuple(assumptions), values=values))
 
 
+BiasRounding = Literal["fused", "separate"]
+
+
+def torch_bias_rounding(x: torch.Tensor) -> BiasRounding:
+    """How ``F.linear(x, weight, bias)`` adds a bias, by ATen's ``linear`` (torch 2.13,
+    ``aten/src/ATen/native/Linear.cpp``; verified bit for bit, ``tests/test_bounds_matmul.py``):
+    a 2-D input, a contiguous input of any other rank (flattened to 2-D), or a 3-D input with
+    ``TORCH_LINEAR_FLATTEN_3D=1`` takes ``addmm``: the bias is one more term of the sum, one
+    rounding (``"fused"``); any other input (a non-contiguous 3-D or N-D view: a transpose, an
+    expand) takes ``matmul``, rounded to the output format, then ``add_(bias)``: two
+    roundings (``"separate"``)."""
+    flatten_3d = os.environ.get("TORCH_LINEAR_FLATTEN_3D", "").lower() in ("1", "true")
+    if x.dim() == 2 or x.is_contiguous() or (flatten_3d and x.dim() == 3):
+        return "fused"
+    return "separate"
+
+
 @register("linear")
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, **kw) -> Bound:
-    """``F.linear(x, weight, bias) = x @ weight.T + bias``: see :func:`matmul`."""
-    return matmul(x, weight.transpose(-1, -2), bias=bias, **kw)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+           bias_rounding: BiasRounding | None = None, **kw) -> Bound:
+    """``F.linear(x, weight, bias) = x @ weight.T + bias``: see :func:`matmul`.
+
+    ``bias_rounding``: ``"fused"`` (the bias is the last term of the sum, one rounding:
+    ``addmm``), ``"separate"`` (``y1 = fl_o(x W^T)`` then ``fl_o(fl_c(y1 + bias))``: the matmul
+    bound ``B1`` plus ``hu_c(t) + hu_o(t + hu_c(t))`` at ``t = |y| + B1``, the output flushed
+    where it may be subnormal); default ``None``: what torch does for this ``x``
+    (:func:`torch_bias_rounding`)."""
+    wt = weight.transpose(-1, -2)
+    if bias_rounding is None:
+        bias_rounding = torch_bias_rounding(x)
+    if bias_rounding not in ("fused", "separate"):
+        raise ValueError(f"bias_rounding must be 'fused', 'separate' or None (torch's rule), not {bias_rounding!r}")
+    if bias is None or bias_rounding == "fused":
+        return matmul(x, wt, bias=bias, **kw)
+    first = matmul(x, wt, **kw)
+    prec = resolve_precision((x, wt), kw.get("fmt"), kw.get("compute_fmt"), kw.get("out_fmt"))
+    s, ymag, n = matmul_statistics(x, wt, bias)
+    t = ymag + first.abs
+    r_c = half_ulp(t, prec.compute)
+    low = magnitude_lower(s, ymag, n, x, wt) - first.abs - r_c
+    bound = first.abs + r_c + output_rounding(t + r_c, prec.compute, prec.out, True, low)
+    e = first.explanation
+    return Bound(abs=bound, mode=first.mode, failure_probability=first.failure_probability, magnitude=ymag,
+                 explanation=Explanation(op="linear", formula="B1 + hu_c(t) + hu_out(t + hu_c(t)), t = |y| + B1, "
+                                         "B1 = bound of fl_out(x W^T) (" + e.formula + ")", source=e.source,
+                                         assumptions=e.assumptions + ("bias added after the matmul's rounding "
+                                                                      "(torch's matmul + add_ path)",),
+                                         values={**e.values, "bias_rounding": bias_rounding}))
 
 
 def matmul_difference(a: torch.Tensor, b: torch.Tensor, *, model_a: Summation, model_b: Summation,
