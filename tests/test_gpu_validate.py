@@ -15,9 +15,12 @@ def test_cpu_smoke_run_writes_the_table_and_the_json(tmp_path, capsys):
     doc = tmp_path / "bounds.md"
     doc.write_text(f"# intro\n\n{gv.BEGIN}\nno GPU run yet\n{gv.END}\n\n# after\n")
     out = tmp_path / "raw.json"
-    assert gv.main(["--device", "cpu", "--small", "--json", str(out), "--write", str(doc)]) == 0
+    # --budget-s 0: every spec gets its first instance, none a second
+    assert gv.main(["--device", "cpu", "--small", "--trials", "2", "--budget-s", "0", "--json", str(out),
+                    "--write", str(doc)]) == 0
     printed = capsys.readouterr().out
-    assert "gemm cuBLAS: skipped: a CUDA kernel" in printed and "[instance 1/1" in printed
+    assert "gemm cuBLAS: skipped: a CUDA kernel" in printed and "[instance 1/2" in printed
+    assert "[instance 2/2" not in printed and "5 of 5 specs got fewer than 2 instances" in printed
     raw = json.loads(out.read_text())
     ran = [r for r in raw["rows"] if r["error"] is None]
     assert {r["family"] for r in ran} == {"gemm", "fp8", "sdpa"}
