@@ -130,3 +130,5 @@ def test_explain_and_bad_input():
     with pytest.raises(ValueError, match="NaN or Inf"):
         tn.tolerance("sum", torch.tensor([1.0, math.nan]), mode="statistical")
     assert {"matmul", "linear", "bmm", "sum", "mean", "softmax", "log_softmax", "attention"} <= set(STATISTICAL_OPS)
+    d = tn.difference("matmul", a, a.T, model_a={}, model_b={}, mode="statistical")
+    assert d.mode == "statistical" and d.failure_probability == pytest.approx(2e-6)

@@ -137,7 +137,8 @@ def difference(op: str, *inputs: torch.Tensor, model_a: dict[str, Any], model_b:
     cancel shared roundings; for the others the bound is the sum of the two bounds
     (triangle inequality through the exact result).
     """
-    if op in ("matmul", "mm", "bmm", "linear") and set(model_a) | set(model_b) <= {"summation", "out_fmt"}:
+    if op in ("matmul", "mm", "bmm", "linear") and set(model_a) | set(model_b) <= {"summation", "out_fmt"} \
+            and mode != "statistical":  # statistical: the two tolerances added (rates add)
         from .bounds.matmul import matmul_difference
         a, b = inputs[0], inputs[1]
         if op == "linear":
