@@ -100,3 +100,44 @@ def test_quadrature_rules_equal_the_squared_jacobian(which):
     f, sq = fns[which]
     ref = torch.stack([(torch.autograd.functional.jacobian(f, x[r]) ** 2) @ w[r] for r in range(3)])
     assert torch.allclose(sq(), ref, rtol=1e-12, atol=1e-15)
+
+
+# ------------------------------------------------------------ LayerBound as a first-class bound
+def _small_block():
+    block = Block(hidden=32, heads=2, seed=3)
+    return block, torch.randn(8, 32, generator=torch.Generator().manual_seed(3)).bfloat16()
+
+
+def test_layer_bound_is_a_bound_for_assert_close_explain_and_atol_rtol():
+    import copy
+
+    import ttrace_num as tn
+    from ttrace_num.testing import BoundViolation, assert_close
+    block, x = _small_block()
+    lb = layer_tolerance(block, x)
+    assert isinstance(lb, tn.Bound) and lb.against_exact and lb.abs is lb.bound
+    y, exact = block(x), copy.deepcopy(block).double()(x.double())
+    assert_close(y, exact, bound=lb)  # was: TypeError: must be real number, not LayerBound
+    text = lb.explain()
+    assert "bounds one run against the exact result" in text and "local max" in text and "fc2" in text
+    assert lb.max() == float(lb.abs.max())
+    atol, rtol = lb.atol_rtol()
+    assert (lb.abs <= atol + rtol * exact.abs() * (1 + 2.0 ** -7) + 1e-300).all()
+    with pytest.raises(BoundViolation, match="exceed the bound .*layer"):
+        assert_close(y.double() + 2 * lb.abs, exact, bound=lb)
+
+
+def test_against_exact_defaults_to_one_run_and_a_policy_needs_two_runs():
+    from ttrace_num.propagate import tensor_parallel_policy
+    block, x = _small_block()
+    one = layer_tolerance(block, x, mode="deterministic")
+    assert torch.equal(one.abs, layer_tolerance(block, x, mode="deterministic", against_exact=True).abs)
+    two = layer_tolerance(block, x, mode="deterministic", against_exact=False)
+    assert (two.abs >= one.abs).all() and (two.abs > one.abs).any()
+    assert "two correct runs" in two.explain()
+    policy = tensor_parallel_policy(["proj"], tp=2)
+    with pytest.raises(ValueError, match="pass against_exact=False"):
+        layer_tolerance(block, x, policy=policy, against_exact=True)
+    assert not layer_tolerance(block, x, policy=policy).against_exact
+    with pytest.raises(TypeError, match="against_exact must be True"):
+        layer_tolerance(block, x, against_exact="yes")
