@@ -53,11 +53,15 @@ def _lead(rows: int, k: int, parts: int, lead_parts: int = 2, rest: float = 0.0)
     return a.bfloat16()
 
 
-def _mm_case(summ: Summation, out: str, bias: bool = False):
+def _mm_case(summ: Summation, out: str, bias: float = 0.0, lead_parts: int = 2, rest: float = 0.0):
+    """Mass in the first two products of the first ``lead_parts`` parts, ``rest`` elsewhere; a
+    ``bias`` (the last term of the last part: one rounding in its part, so small unless the
+    reduction dominates). ``rest = 2^-25`` is absorbed by the fp32 statistics (``fl(S) = 2 <
+    S``): only their rigorous ``gamma_{K+1}`` slack keeps the bound above the emulation."""
     def case() -> tuple[torch.Tensor, torch.Tensor]:
-        a = _lead(3, K, summ.split)
+        a = _lead(3, K, summ.split, lead_parts, rest)
         b = torch.ones(K, 2, dtype=a.dtype)
-        bi = torch.full((2,), 2.0 ** -20, dtype=a.dtype) if bias else None
+        bi = torch.full((2,), bias, dtype=a.dtype) if bias else None
         bound = tn.tolerance("matmul", a, b, bias=bi, out_fmt=out, summation=summ).abs
         exact = exact_matmul(a, b) + (0.0 if bi is None else bi.double())
         worst = worst_matmul(a, b, bi, summation=summ, out_fmt=out)
@@ -109,7 +113,7 @@ def _flushed_products() -> tuple[torch.Tensor, torch.Tensor]:
 CASES: dict[str, Callable[[], tuple[torch.Tensor, torch.Tensor]]] = {
     "matmul_fp32out": _mm_case(Summation(), "fp32"),
     "matmul_bf16out": _mm_case(Summation(), "bf16"),
-    "matmul_bias_fp32out": _mm_case(Summation(), "fp32", bias=True),
+    "matmul_bias_fp32out": _mm_case(Summation(), "fp32", bias=2.0 ** -20),
     "matmul_bf16accum": _mm_case(Summation(accum="bf16"), "fp32"),
     "matmul_pairwise": _mm_case(Summation(algorithm="pairwise"), "fp32"),
     "matmul_blocked": _mm_case(Summation(algorithm="blocked", block=8), "fp32"),
@@ -119,7 +123,11 @@ CASES: dict[str, Callable[[], tuple[torch.Tensor, torch.Tensor]]] = {
     **{f"splitk{k}_{rf}_{alg}": _mm_case(Summation(split=k, reduce_fmt=rf, reduce_algorithm=alg), "fp32")
        for k in (2, 4) for rf in ("fp32", "bf16") for alg in ("recursive", "pairwise")},
     "splitk4_bf16_bf16out": _mm_case(Summation(split=4, reduce_fmt="bf16"), "bf16"),
-    "splitk4_fp16_bias": _mm_case(Summation(split=4, reduce_fmt="fp16"), "fp32", bias=True),
+    "splitk4_fp16_bias": _mm_case(Summation(split=4, reduce_fmt="fp16"), "fp32", bias=2.0 ** -20),
+    "matmul_absorbed_tail": _mm_case(Summation(), "fp32", rest=2.0 ** -25),
+    "splitk2_bf16_absorbed_tail": _mm_case(Summation(split=2, reduce_fmt="bf16"), "fp32", rest=2.0 ** -25),
+    # the bias carries the last part's mass: the bf16 reduction acts on T = |p_1| + |bias|
+    "splitk2_bf16_bias_partial": _mm_case(Summation(split=2, reduce_fmt="bf16"), "fp32", bias=1.0, lead_parts=1),
     "sum_fp32out": _sum_case(Summation(), "fp32"),
     "sum_bf16accum": _sum_case(Summation(accum="bf16"), "fp32"),
     "sum_split4_bf16": _sum_case(Summation(split=4, reduce_fmt="bf16"), "fp32"),

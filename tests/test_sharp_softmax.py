@@ -38,28 +38,34 @@ ROWS = {
 }
 
 
-def _softmax_case(row: str, division: str):
+def _softmax_case(row: str, division: str, compute: str = "fp32", cols: slice = slice(None)):
     def case() -> tuple[torch.Tensor, torch.Tensor]:
         x = ROWS[row]
-        bound = tn.tolerance("softmax", x, dim=-1, out_fmt="fp32", division=division).abs
-        err = (worst_softmax(x, division=division) - ref.softmax(x, dim=-1)).abs()
-        return bound, err
+        bound = tn.tolerance("softmax", x, dim=-1, compute_fmt=compute, out_fmt="fp32", division=division).abs
+        err = (worst_softmax(x, compute_fmt=compute, division=division) - ref.softmax(x, dim=-1)).abs()
+        return bound[..., cols], err[..., cols]
     return case
 
 
-def _log_softmax_case(row: str, stats: str):
+def _log_softmax_case(row: str, stats: str, compute: str = "fp32", cols: slice = slice(None)):
     def case() -> tuple[torch.Tensor, torch.Tensor]:
         x = ROWS[row]
-        bound = tn.tolerance("log_softmax", x, dim=-1, out_fmt="fp32", stats_fmt=stats).abs
-        err = (worst_log_softmax(x, stats_fmt=stats) - ref.log_softmax(x, dim=-1)).abs()
-        return bound, err
+        bound = tn.tolerance("log_softmax", x, dim=-1, compute_fmt=compute, out_fmt="fp32", stats_fmt=stats).abs
+        err = (worst_log_softmax(x, compute_fmt=compute, stats_fmt=stats) - ref.log_softmax(x, dim=-1)).abs()
+        return bound[..., cols], err[..., cols]
     return case
 
 
 CASES: dict[str, Callable[[], tuple[torch.Tensor, torch.Tensor]]] = {
     **{f"softmax_{r}_{d}": _softmax_case(r, d) for r in ROWS for d in ("reciprocal", "divide")},
     **{f"log_softmax_{r}_stats_{s}": _log_softmax_case(r, s) for r in ROWS for s in ("fp32", "bf16")},
+    # bf16 compute: the arguments' h_j = 2^-4 make the second-order remainders R_j ~ h^2/2
+    # (3% of A_j) and D - B' visible at the two small entries (attained within 0.5%)
+    "softmax_exp_arguments_bf16compute": _softmax_case("exp_arguments", "reciprocal", "bf16", slice(2, None)),
+    "log_softmax_exp_arguments_bf16compute": _log_softmax_case("exp_arguments", "fp32", "bf16", slice(2, None)),
 }
+#: cases attained within a stated larger factor (second-order terms of bf16 compute)
+LOOSER = {"softmax_exp_arguments_bf16compute": 1.01, "log_softmax_exp_arguments_bf16compute": 1.01}
 
 
 def verdict(name: str, bound: torch.Tensor, err: torch.Tensor) -> str | None:
@@ -69,7 +75,7 @@ def verdict(name: str, bound: torch.Tensor, err: torch.Tensor) -> str | None:
         return f"{name}: bound not finite"
     if not (err <= bound * F64_SLACK).all():
         return f"{name}: worst-case execution exceeds the bound by {float((err / bound).max())}"
-    sharp = SHARP
+    sharp = LOOSER.get(name, SHARP)
     ratio = bound / err
     if not (ratio <= sharp).all():
         return f"{name}: bound/worst = {float(ratio.max())} > {sharp}: not sharp"
