@@ -79,8 +79,8 @@ from ttrace_num.emulate.summation import emulate_matmul  # noqa: E402
 from ttrace_num.reference import exact_matmul, exact_scaled_matmul  # noqa: E402
 
 BEGIN, END = "<!-- BEGIN GPU VALIDATION TABLE -->", "<!-- END GPU VALIDATION TABLE -->"
-HEADERS = ["family", "kernel", "setting", "dtype", "shape", "model", "inst.", "det. viol.", "prob. viol. (rate / claim)",
-           "tight med (det)", "tight max (det)", "tight med (prob)", "notes"]
+HEADERS = ["family", "kernel", "setting", "dtype", "shape", "model", "inst.", "det. viol.",
+           "prob. viol. (rate / claim)", "tight med (det)", "tight max (det)", "tight med (prob)", "notes"]
 MODES = ("deterministic", "probabilistic")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 #: split factors over which the reduced-precision split-K model takes its maximum (--small: SMALL_SPLITS)
@@ -230,7 +230,8 @@ def _gemm_spec(dtype: str, m: int, k: int, n: int, splits: tuple[int, ...] = SPL
         f"splitK<={splits[-1]} in {dtype}": [{"summation": Summation(split=s, reduce_fmt=dtype)} for s in splits],
     }
     impls = [Impl("cuBLAS", name, cublas(setting)) for name, setting in GEMM_SETTINGS.items()]
-    impls.append(Impl("emulated", "fp32 chain", lambda inst, dev: emulate_matmul(*inst.args, Summation(), dtype), False))
+    impls.append(Impl("emulated", "fp32 chain", lambda inst, dev: emulate_matmul(*inst.args, Summation(), dtype),
+                      False))
     return Spec("gemm", "matmul", dtype, f"{m}x{k}x{n}", make, impls, models, probe)
 
 
