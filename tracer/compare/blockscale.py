@@ -140,18 +140,28 @@ def _block_pass(ref: torch.Tensor, x: torch.Tensor, work: torch.dtype, deviation
             r_sq = (r * r).sum((0, 1))
             power[blk] += r_sq
         else:  # a small tensor in one chunk: each row's column sums, added to its block in float64
-            row_block = torch.arange(i, stop) * b0 // rows
             r_sq = (r * r).sum(1)
-            cross.index_add_(0, row_block, (d * r).sum(1).double())
-            power.index_add_(0, row_block, r_sq.double())
+            cross += _block_sums((d * r).sum(1).double(), b0, 0)
+            power += _block_sums(r_sq.double(), b0, 0)
             r_sq = r_sq.sum(0)
         if norms:
             chunks.append(chunk_norms(r_sq.sum().sqrt(), d))
-    col_block = torch.arange(last) * b1 // last
-    cross = torch.zeros(b0, b1, dtype=torch.float64).index_add_(1, col_block, cross)
-    power = torch.zeros(b0, b1, dtype=torch.float64).index_add_(1, col_block, power)
+    cross, power = _block_sums(cross, b1, 1), _block_sums(power, b1, 1)
     y = torch.where(power > 0, cross / power.clamp_min(math.ulp(0.0)).sqrt(), torch.zeros_like(cross))
     return y.reshape(-1), (combine_chunk_norms(chunks) if norms else None)
+
+
+def _block_starts(n: int, blocks: int) -> list[int]:
+    """First index of each of ``blocks`` contiguous blocks of ``n`` (index ``i`` lies in block
+    ``i * blocks // n``), and ``n`` at the end."""
+    return [-(-blk * n // blocks) for blk in range(blocks + 1)]
+
+
+def _block_sums(t: torch.Tensor, blocks: int, dim: int) -> torch.Tensor:
+    """Sums of ``t`` over the ``blocks`` contiguous blocks of dimension ``dim`` (one slice sum per
+    block: ``index_add_`` along a dimension with many indices loops over them on CPU, 30 us each)."""
+    starts = _block_starts(t.shape[dim], blocks)
+    return torch.stack([t.narrow(dim, lo, hi - lo).sum(dim) for lo, hi in zip(starts, starts[1:])], dim)
 
 
 def _row_chunks(rows: int, row_size: int, b0: int) -> list[tuple[int, int]]:
@@ -161,7 +171,7 @@ def _row_chunks(rows: int, row_size: int, b0: int) -> list[tuple[int, int]]:
     that never straddle two of the ``b0`` row blocks."""
     if rows * row_size <= _CHUNK:
         return [(0, rows)] if rows else []
-    starts = [-(-blk * rows // b0) for blk in range(b0 + 1)]  # first row of each row block
+    starts = _block_starts(rows, b0)
     step = max(1, _CHUNK // max(1, row_size))
     return [(i, min(i + step, starts[blk + 1])) for blk in range(b0) for i in range(starts[blk], starts[blk + 1], step)]
 
