@@ -58,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--trials", type=int, default=200, help="random instances per case and mode")
     ap.add_argument("--only", help="only these ops (comma-separated)")
     ap.add_argument("--write", help="markdown file whose table section to replace")
+    ap.add_argument("--max-trials", type=int, help="cap every case's instances (a quick run; the rows say how many ran)")
     ap.add_argument("--modes", default=",".join(MODES),
                     help=f"comma-separated subset of {','.join(MODES)} (default: all, where the op supports it)")
     args = ap.parse_args(argv)
@@ -72,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     for i, case in enumerate(cases, 1):
         for mode in (m for m in case.modes if m in modes):
-            r = evaluate(case, mode, case.trials or args.trials, seed=i)
+            trials = case.trials or args.trials
+            r = evaluate(case, mode, min(trials, args.max_trials) if args.max_trials else trials, seed=i)
             results.append(r)
             print(f"[{i}/{len(cases)} {time.time() - t0:6.0f}s] " + "  ".join(r.row()), flush=True)
     new_rows = [r.row() for r in results]

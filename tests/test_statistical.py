@@ -132,3 +132,18 @@ def test_explain_and_bad_input():
     assert {"matmul", "linear", "bmm", "sum", "mean", "softmax", "log_softmax", "attention"} <= set(STATISTICAL_OPS)
     d = tn.difference("matmul", a, a.T, model_a={}, model_b={}, mode="statistical")
     assert d.mode == "statistical" and d.failure_probability == pytest.approx(2e-6)
+
+
+@pytest.mark.parametrize("lq, lk, kw", [(8, 1100, {}), (64, 64, {"is_causal": True}), (16, 32, {"mask": True})])
+def test_attention_online_blocks_and_masks(lq, lk, kw):
+    """Three key blocks of torch's flash kernel (two rescalings), a causal mask, a boolean mask."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(1, 2, lq, 16, generator=g), torch.randn(1, 2, lk, 16, generator=g), \
+        torch.randn(1, 2, lk, 16, generator=g)
+    if kw.pop("mask", False):
+        kw["attn_mask"] = torch.rand(lq, lk, generator=g) < 0.7
+        kw["attn_mask"][:, 0] = True
+    y = F.scaled_dot_product_attention(q, k, v, **kw)
+    err = (y.double() - F.scaled_dot_product_attention(q.double(), k.double(), v.double(), **kw)).abs()
+    b = tn.tolerance("attention", q, k, v, mode="statistical", **kw).abs
+    assert bool((err <= b).all()) and float((b / err.clamp(min=1e-30)).min()) < 6

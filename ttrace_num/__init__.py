@@ -84,13 +84,9 @@ def tolerance(op: str, *inputs: torch.Tensor, fmt=None, compute_fmt=None,
     else:
         bound = lookup(op)(*inputs, fmt=fmt, compute_fmt=compute_fmt, mode=mode, **op_kwargs)
         det_kwargs = op_kwargs
-    if mode == "deterministic" or _canonical(op) not in VALIDITY_OPS:
+    if mode == "deterministic" or op not in VALIDITY_OPS:
         return bound
     return _apply_validity(op, inputs, bound, fmt, compute_fmt, det_kwargs)
-
-
-def _canonical(op: str) -> str:
-    return {"mm": "matmul", "bmm": "matmul", "scaled_dot_product_attention": "attention", "sdpa": "attention"}.get(op, op)
 
 
 def _apply_validity(op: str, inputs: tuple, bound: Bound, fmt, compute_fmt, op_kwargs: dict[str, Any]) -> Bound:
@@ -102,7 +98,7 @@ def _apply_validity(op: str, inputs: tuple, bound: Bound, fmt, compute_fmt, op_k
     v = check_validity(op, inputs, prec, kw, exp_ulps=float(op_kwargs.get("exp_ulps", 1.0)))
     if v is None or not bool(v.marked.any()):
         return bound
-    base = torch.broadcast_to(bound.abs, v.marked.shape) if bound.abs.dim() <= v.marked.dim() else bound.abs
+    base = torch.broadcast_to(bound.abs, torch.broadcast_shapes(bound.abs.shape, v.marked.shape))
     det_kw = {k: x for k, x in op_kwargs.items() if k != "failure_probability"}
     det = lookup(op)(*inputs, fmt=fmt, compute_fmt=compute_fmt, mode="deterministic", **det_kw).abs
     det = torch.broadcast_to(det, base.shape)

@@ -13,7 +13,7 @@ below, with ``bound = z sigma + r_out`` where
   of the others (:mod:`.summation_variance`, identity (1): ``(u^2/3) (n+1)(Q/6 + C^2/3)`` for
   an ``n``-term sum with ``Q = sum t^2``, ``C = sum t``), propagated to first order through
   the op (below);
-* ``z = sqrt(2 ln(2 / false_alarm))`` (5.37 at 1e-6). Why this ``z`` and not the normal
+* ``z = sqrt(2 ln(2 / false_alarm))`` (5.39 at 1e-6). Why this ``z`` and not the normal
   quantile (4.89 at 1e-6), and why no central limit theorem is needed: a uniform variable on
   ``[-h, h]`` is *strictly sub-Gaussian*, ``E exp(t X) = sinh(t h)/(t h) <= exp(t^2 h^2 / 6)``,
   its variance proxy equals its variance ``h^2/3``. The first-order error is a sum of such
@@ -66,9 +66,12 @@ Per op (first order; ``hu_f`` = :func:`~ttrace_num.formats.half_ulp` in format `
   ``sigma^2 = sum_j y_j^2 (V_jc - O_ic)^2 v_j + sum_j y_j^2 V_jc^2 v^P_j + Var(acc_N)
   + O^2 (Var(acc_l) + v_r) + hu_c(O)^2/3`` (``v_j`` = score + subtraction + exp variances;
   ``O = sum_j y_j V_j`` makes the row's common errors cancel: the ``V_jc - O_ic`` centring),
-  plus, for online softmax over ``T > 1`` key blocks, ``T - 1`` rescalings, each a relative
-  error of the earlier blocks' weight (``v_alpha = (2 exp_ulps u)^2/3 + hu_c(range)^2/3``,
-  times ``max_j (V_jc - O_ic)^2``) and two product roundings.
+  plus, for online softmax over ``T > 1`` key blocks of ``b``, ``T - 1`` rescalings: the one
+  after block ``t`` multiplies the running numerator ``N_t = sum_{j < t b} y_j V_j`` and row sum
+  ``W_t = sum_{j < t b} y_j`` (normalised) by ``alpha_hat = alpha (1 + eps)``, which moves the
+  earlier blocks' weight against the later ones: ``eps (N_t - W_t O)``
+  (``v_alpha = (2 exp_ulps u)^2/3 + hu_c(range)^2/3``), plus the two products' roundings
+  (``u^2/3 (N_t^2 + W_t^2 O^2)``).
 
 Sources: Higham & Mary, SISC 41(5) 2019 (random rounding errors); Connolly, Higham & Mary,
 SISC 43(1) 2021 (mean-independence, martingale form); sub-Gaussian tails: Vershynin,
@@ -119,9 +122,9 @@ def false_alarm_factor(false_alarm: float) -> float:
 @dataclass
 class Statistics:
     """What one op's statistical bound is made of (elementwise, float64, broadcast to the
-    output): ``var`` (``sigma^2``), ``magnitude`` (``|y|``), ``out_half_ulp_fmt`` (the
-    output format when the result is rounded into it after the computation, else ``None``),
-    ``values`` for the explanation."""
+    output): ``var`` (``sigma^2``), ``magnitude`` (``|y|``), ``out_fmt`` (the output format
+    when the result is rounded into it after the computation, else ``None``), ``values`` and
+    ``formula`` for the explanation."""
 
     var: torch.Tensor
     magnitude: torch.Tensor
@@ -340,9 +343,11 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prec: Precisio
     if T > 1:  # T - 1 rescalings of the running numerator and row sum
         rng = (sfin.amax(-1, keepdim=True) - torch.where(blocked, sfin.amax(-1, keepdim=True), sfin).amin(-1, keepdim=True))
         v_alpha = (2.0 * exp_ulps * c.u) ** 2 / 3.0 + half_ulp(rng, c) ** 2 / 3.0
-        vmax = v64.unsqueeze(-3)  # (..., 1, Lk, dv)
-        dev = torch.where(blocked.unsqueeze(-1), torch.zeros(()), (vmax - O.unsqueeze(-2)).abs()).amax(-2)
-        var = var + (T - 1) * (v_alpha * dev.square() + c.u**2 / 3.0 * ((y @ v64.abs()).square() + O.square()))
+        for t in range(1, T):
+            Pt = y[..., : t * block_size]
+            Nt = Pt @ v64[..., : t * block_size, :]  # the earlier blocks' numerator (normalised)
+            Wt = Pt.sum(-1, keepdim=True)            # and their share of the row sum
+            var = var + v_alpha * (Nt - Wt * O).square() + c.u**2 / 3.0 * (Nt.square() + (Wt * O).square())
     empty = rows.empty.expand_as(var) if rows.empty.shape != var.shape else rows.empty
     var = torch.where(empty, torch.zeros_like(var), var)
     return Statistics(var, O.abs(), _out_rounds(c, prec.out),

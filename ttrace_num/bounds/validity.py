@@ -34,7 +34,7 @@ event, ``|err| <= bound_mode + charge`` with
 * softmax: ``charge_i = y_i (r u (1 + theta) + g)``, ``g = c_exp u + hu_c(|x_G - m|)`` the
   repeated logit's exp and subtraction error (shared by the group ``G``: its effect on
   ``y_i``, ``y_i (1_{i in G} - w_G) g``, is at most ``y_i g``); log_softmax: ``r u (1 + theta) + g``;
-* attention: ``charge = r u (1 + theta) (O + sum_j y_j |V_j|) + w_G (g + g_s) max_j |V_j - O|``
+* attention: ``charge = r u (1 + theta) (O + sum_j y_j |V_j|) + w_G (g + g_s) (max_j |V_j| + |O|)``
   (the row sum and the ``P V`` sum each add ``r`` repeated terms; ``g_s`` the repeated
   score's own GEMM error bound, ``d u |q| |k| scale``).
 
@@ -228,7 +228,7 @@ def _attention(q, k, v, prec: Precision, attn_mask, is_causal, scale, enable_gqa
     d, Lk = q.shape[-1], k.shape[-2]
     qk_abs = (f64(q).abs() @ k64.abs().transpose(-1, -2)) * sc
     g_s = (d * c.u * (1 + _theta(c.u, d)) * qk_abs * ind).amax(-1, keepdim=True)
-    dev = torch.where(blocked.unsqueeze(-1), torch.zeros(()), (v64.unsqueeze(-3) - O.unsqueeze(-2)).abs()).amax(-2)
+    dev = v64.abs().amax(-2, keepdim=True) + O.abs()  # >= max_j |V_jc - O_ic|, without an Lq x Lk x dv tensor
     ru = r * c.u * (1 + _theta(c.u, Lk))
     charge = ru * (O.abs() + y @ v64.abs()) + w * (g + g_s) * dev
     return _finish(r.expand_as(O), charge, Lk)
