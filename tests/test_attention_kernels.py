@@ -1,14 +1,13 @@
 """Attention defaults that match what torch runs (issue 33): the default model covers torch's
 own ``scaled_dot_product_attention`` (CPU flash kernel, math backend) and the GPU online
 kernels; dead keys of ``-1e9`` / ``finfo.min`` additive masks give finite, tight bounds;
-argument validation; ``bounds`` does not import ``propagate``.
+argument validation (the layering rule, ``bounds`` does not import ``propagate``, is
+checked by ``tests/test_layering.py``).
 
 Every check compares torch's output with an exact reference (mpmath for short rows; for
 the long rows the float64 reference with its error bound added, as in
 ``tests/test_bounds_attention.py``)."""
-import ast
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -142,18 +141,3 @@ def test_argument_errors_are_clear():
     # the library's own combination (mask: True = masked out) with causal stays available
     b = attention(q, kv, kv, mask=~m, causal=True)
     assert torch.equal(b.abs, attention(q, kv, kv, is_causal=True).abs)
-
-
-# ------------------------------------------------------------------ 5. layering
-def test_bounds_does_not_import_propagate():
-    root = Path(__file__).resolve().parents[1] / "ttrace_num" / "bounds"
-    bad = []
-    for f in sorted(root.glob("*.py")):
-        for node in ast.walk(ast.parse(f.read_text())):
-            if isinstance(node, ast.ImportFrom):
-                mod = ("." * node.level) + (node.module or "")
-                if "propagate" in mod or any("propagate" in a.name for a in node.names):
-                    bad.append(f"{f.name}: from {mod}")
-            elif isinstance(node, ast.Import):
-                bad += [f"{f.name}: import {a.name}" for a in node.names if "propagate" in a.name]
-    assert not bad, bad
