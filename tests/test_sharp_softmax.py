@@ -35,6 +35,9 @@ ROWS = {
     "long": torch.cat([torch.zeros(1, 2), torch.full((1, 62), -30.0)], 1),
     # fp32 arguments whose x - m is inexact in fp32: the argument terms h_j = 8u..16u
     "exp_arguments": torch.tensor([[0.0, -1.3, -17.1, -20.3]]),
+    # exps below fp32's normal range (S ~ 1): the absolute eta_i (2 subnormal ulps) and the
+    # final half-ulp at a subnormal y are the whole bound of the last two entries
+    "underflow": torch.tensor([[0.0, -30.0, -100.0, -101.5]]),
 }
 
 

@@ -106,10 +106,14 @@ def worst_matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = N
     return y if conversion_exact(summ.final_fmt, out) else half_ulp_round(y, out, sign)
 
 
-def _exp_terms(a: torch.Tensor, h: torch.Tensor, cu: float, sign: torch.Tensor) -> torch.Tensor:
+def _exp_terms(a: torch.Tensor, h: torch.Tensor, cu: float, sign: torch.Tensor, c: FloatFormat) -> torch.Tensor:
     """``exp_c(fl_c(a))`` at its largest error in direction ``sign`` (per element): the
-    argument off by ``sign h`` (its half-ulp rounding), the exp off by ``sign c_exp u``."""
-    return torch.exp(a + sign * h) * (1.0 + sign * cu)
+    argument off by ``sign h`` (its half-ulp rounding), the exp off by ``sign c_exp u`` and,
+    where the result may be below ``c``'s normal range, by the absolute ``2
+    subnormal_abs_error`` (one subnormal ulp) of the model."""
+    e = torch.exp(a + sign * h) * (1.0 + sign * cu)
+    under = torch.exp(a - h) < c.min_normal
+    return e + torch.where(under, sign * 2.0 * c.subnormal_abs_error, torch.zeros_like(e))
 
 
 def _shifted(x: torch.Tensor, c: FloatFormat) -> tuple[torch.Tensor, torch.Tensor]:
@@ -124,7 +128,7 @@ def _shifted(x: torch.Tensor, c: FloatFormat) -> tuple[torch.Tensor, torch.Tenso
 def worst_softmax(x: torch.Tensor, *, compute_fmt="fp32", out_fmt="fp32", summation: Summation | None = None,
                   division: str = "reciprocal", exp_ulps: float = 1.0) -> torch.Tensor:
     """Per element ``i`` of each row (last dim), the largest ``softmax_hat_i - y_i`` the model of
-    :func:`ttrace_num.bounds.softmax.softmax` allows (no underflowing exp): ``e_i`` rounded up
+    :func:`ttrace_num.bounds.softmax.softmax` allows: ``e_i`` rounded up
     (argument ``+h_i``, exp ``+c_exp u``), every other ``e_j`` down, the row sum's every node
     down (``1 - u``), ``fl(1/s)`` up (``"reciprocal"``), the product ``e_i r`` up by
     ``half_ulp_c`` and the output up by ``half_ulp_out``. One emulated row per element (the
@@ -134,7 +138,7 @@ def worst_softmax(x: torch.Tensor, *, compute_fmt="fp32", out_fmt="fp32", summat
     a, h = _shifted(x, c)
     n = a.shape[-1]
     sign = 2.0 * torch.eye(n, dtype=torch.float64) - 1.0          # row i: +1 at i, -1 elsewhere
-    e = _exp_terms(a[..., None, :], h[..., None, :], 2.0 * exp_ulps * c.u, sign)  # (..., i, j)
+    e = _exp_terms(a[..., None, :], h[..., None, :], 2.0 * exp_ulps * c.u, sign, c)  # (..., i, j)
     s = worst_sum(e, summ, -1.0)                                  # (..., i)
     ei = torch.diagonal(e, dim1=-2, dim2=-1)
     if division == "reciprocal":
