@@ -3,7 +3,8 @@ r"""Mutation check of the deterministic bounds (issue 33): does the test suite n
 Mutants (AST, one change each) of the deterministic-bound code in
 ``ttrace_num/bounds/{matmul,summation,softmax,norms,attention,fp8}.py``:
 
-* ``drop``: ``a + b`` replaced by ``a``, or by ``b`` (one additive term lost);
+* ``drop``: ``a + b`` replaced by ``a``, or by ``b``; ``torch.add(a, b, alpha=c)`` by ``a`` and
+  ``x.add_(b)`` by ``x`` (one additive term lost);
 * ``shrink``: a float constant ``c`` replaced by ``0.99 c``, an integer count ``k >= 1`` by
   ``k - 1``.
 
@@ -127,7 +128,7 @@ class Mutant:
     kind: str
     desc: str
     index: int  # index of the node in ast.walk order
-    which: int = 0  # drop: 0 keeps the left operand, 1 the right one
+    which: int = 0  # drop: 0 keeps the left operand, 1 the right one, 2 the first of torch.add / x.add_
 
 
 def _parents(tree: ast.AST) -> dict[int, ast.AST]:
@@ -165,6 +166,13 @@ def enumerate_mutants(module: str, src: str, lines: set[int]) -> list[Mutant]:
             seg = " ".join((ast.get_source_segment(src, node) or ast.unparse(node)).split())
             for w, keep in enumerate((node.left, node.right)):
                 out.append(Mutant(module, ln, "drop", f"{seg[:70]} -> {ast.unparse(keep)[:50]}", i, w))
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("add", "add_")
+              and node.args):
+            is_torch = isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
+            if not is_torch or len(node.args) >= 2:
+                keep = node.args[0] if is_torch else node.func.value
+                seg = " ".join((ast.get_source_segment(src, node) or ast.unparse(node)).split())
+                out.append(Mutant(module, ln, "drop", f"{seg[:70]} -> {ast.unparse(keep)[:50]}", i, 2))
         elif (isinstance(node, ast.Constant) and type(node.value) in (int, float) and not isinstance(node.value, bool)
               and not _skip_constant(node, parents)):
             v = node.value
@@ -180,7 +188,10 @@ def mutated_source(m: Mutant, src: str) -> str:
     tree = ast.parse(src)
     parents = _parents(tree)
     node = list(ast.walk(tree))[m.index]
-    if m.kind == "drop":
+    if m.kind == "drop" and m.which == 2:  # torch.add(a, b, ...) -> a, x.add_(b) -> x
+        is_torch = isinstance(node.func.value, ast.Name) and node.func.value.id == "torch"
+        new = node.args[0] if is_torch else node.func.value
+    elif m.kind == "drop":
         new = node.left if m.which == 0 else node.right
     else:
         v = node.value
