@@ -86,6 +86,17 @@ def _fp32_products() -> tuple[torch.Tensor, torch.Tensor]:
     return bound, (worst_matmul(a, b, summation=Summation()) - exact_matmul(a, b)).abs()
 
 
+def _binade_crossing() -> tuple[torch.Tensor, torch.Tensor]:
+    """``y = 2 - 2^-22`` just below a power of two, accumulated error pushing it above: the
+    output rounding must be taken at ``|y| + acc`` (half an ulp of bf16 at 2, not below 2)."""
+    a = torch.zeros(2, K)
+    a[:, 0], a[:, 1] = 1.0, 1.0 - 2.0 ** -22
+    b = torch.ones(K, 2)
+    bound = tn.tolerance("matmul", a, b, out_fmt="bf16").abs
+    worst = worst_matmul(a, b, summation=Summation(), out_fmt="bf16")
+    return bound, (worst - exact_matmul(a, b)).abs()
+
+
 def _subnormal_products() -> tuple[torch.Tensor, torch.Tensor]:
     """Gradual underflow (``ftz=False``): bf16 products in fp32's subnormal range, each may
     err by the absolute ``eta = 2^-150`` (the underflow term ``sum_f r_f eta_f``, dominant here)."""
@@ -118,6 +129,7 @@ CASES: dict[str, Callable[[], tuple[torch.Tensor, torch.Tensor]]] = {
     "matmul_pairwise": _mm_case(Summation(algorithm="pairwise"), "fp32"),
     "matmul_blocked": _mm_case(Summation(algorithm="blocked", block=8), "fp32"),
     "matmul_fp32_products": _fp32_products,
+    "matmul_binade_crossing": _binade_crossing,
     "matmul_subnormal_products": _subnormal_products,
     "matmul_flushed_products": _flushed_products,
     **{f"splitk{k}_{rf}_{alg}": _mm_case(Summation(split=k, reduce_fmt=rf, reduce_algorithm=alg), "fp32")
