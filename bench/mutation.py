@@ -9,29 +9,35 @@ Mutants (AST, one change each) of the deterministic-bound code in
   ``k - 1``.
 
 Selection (which nodes are "on the deterministic-bound path"): the lines *executed* while
-the probes compute deterministic bounds (``sys.settrace`` over the target files, original
-code): the sharp tests' cases (``CASES`` of ``tests/test_sharp_*.py``) and one default
-deterministic call per op family (:data:`EXTRA_PROBES`). Probabilistic-only branches,
-other ops and error paths are never executed and never mutated. Not mutated: string
-concatenation, constants that index (``x[..., 0]``) or are positional arguments of a method
-call (``.sum(-1)``: dims, not constants of a bound), and booleans.
+the probes compute deterministic bounds (``sys.settrace`` over the target files): the sharp
+tests' cases (``CASES`` of ``tests/test_sharp_*.py``) and one default deterministic call per
+op family without sharp cases (:func:`_extra_probes`: layer/RMS norm, attention, quantize).
+Probabilistic-only branches, other ops and error paths are never executed and never
+mutated. Not mutated: string concatenation, constants that index (``x[..., 0]``), are
+positional arguments of a method call (``.sum(-1)``: dims) or are compared (mode and mask
+selection), and booleans.
 
-Each mutant is written into a temporary copy of ``ttrace_num/``, ``tests/`` and
-``conftest.py`` (the working tree is never modified) and judged in a fresh process:
+The repository is copied once (``ttrace_num``, ``tests``, ``bench``, ``examples``, ``tracer``,
+``conftest.py``: a snapshot; the working tree is never modified, and files edited meanwhile
+do not disturb the run); each mutant is written into the copy and judged:
 
-1. **equivalent**: every probe's bound is bitwise unchanged (the mutant does not change
-   any bound on the tests' inputs: no test of those inputs can see it);
-2. **killed** by the sharp checks (``check(name)`` of the sharp test modules), by an
-   exception, or else by ``pytest -x`` on the op's test files (1 thread, ``--timeout``
-   seconds per mutant: a timeout counts as killed);
-3. **survived** otherwise.
+1. **equivalent**: every probe that executes the mutated line gives a bitwise-identical
+   bound (the mutant changes no bound on the tests' inputs);
+2. **killed**: a sharp check fails (``verdict(name, bound, err)`` of the sharp test modules)
+   or the mutant raises (a persistent worker process re-imports ``ttrace_num`` per mutant);
+   else ``pytest -x`` on the op's test files (:data:`TESTS`, one thread) fails;
+3. **timeout**: those tests did not finish within ``--timeout`` (not judged);
+4. **survived** otherwise.
 
-Score = killed / (killed + survived) per module and overall; equivalents are reported
-separately. ``--write docs/bounds.md`` replaces the section between
+Score = killed / (killed + survived) per module and overall; equivalents and timeouts are
+reported separately. ``--sharp-only`` stops after step 2's sharp checks (a survivor there
+may still be killed by the op tests: a lower bound on the score, ~1-3 s a mutant instead
+of 30-300 s). ``--write docs/bounds.md`` replaces the section between
 ``<!-- mutation:begin -->`` and ``<!-- mutation:end -->``.
 
-Usage: ``.venv/bin/python bench/mutation.py [--modules matmul softmax ...] [--limit N]
-[--timeout 240] [--write docs/bounds.md]``. Not part of the test suite (minutes to hours).
+Usage: ``.venv/bin/python bench/mutation.py [--modules matmul softmax ...] [--sharp-only]
+[--every N] [--limit N] [--timeout 240] [--write docs/bounds.md] [--json out.json]``.
+Not part of the test suite (minutes to hours).
 """
 from __future__ import annotations
 
