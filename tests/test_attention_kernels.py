@@ -70,6 +70,26 @@ def test_default_bound_holds_on_math_backend_and_states_its_kernels():
     assert "any of" in text and "exp2" in text and "key blocks of 512" in text
 
 
+def test_default_bound_holds_on_emulated_gpu_exp2_kernels():
+    """FlashAttention-2 / memory-efficient style (emulated, every step rounded): exp2 of
+    fl(fl(S c2) - fl(m c2)) with unscaled S, key blocks 32/64/128, P rounded to the input dtype;
+    large scores (|m| ~ 30) make the max's own rounding count. fp32 output, so the fp32-level
+    terms are visible; against mpmath."""
+    from bench.cases.attention import make_inputs
+
+    from ttrace_num.emulate.attention import emulate_attention
+    viol = 0
+    for i, kind in enumerate(("normal", "large", "peaked", "causal_padding")):
+        (q, k, v), kw = make_inputs(kind, torch.bfloat16, torch.Generator().manual_seed(40 + i), Lk=80)
+        ex = exact_attention(q, k, v, **kw)
+        b = attention(q, k, v, out_fmt="fp32", **kw).abs
+        for block in (32, 64, 128):
+            out = emulate_attention(q, k, v, algorithm="online", block_size=block, p_fmt="bf16", out_fmt="fp32",
+                                    exp2=True, **kw)
+            viol += int(((out - ex).abs() > b).sum())
+    assert viol == 0
+
+
 # ------------------------------------------------------------------ 2. dead keys
 def _mask_cases(dt: torch.dtype, L: int):
     keep = torch.ones(L, L, dtype=torch.bool).tril()

@@ -46,6 +46,7 @@ float64 evaluation for long sequences (relative error ``~(Lk + |s|) 2^-52``, see
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from mpmath import libmp
@@ -109,9 +110,23 @@ def _gemm(a: torch.Tensor, b: torch.Tensor, c: FloatFormat) -> torch.Tensor:
     return emulate_matmul(a, b, Summation(accum=c), c)
 
 
-def _online(s: torch.Tensor, v: torch.Tensor, c: FloatFormat, pf: FloatFormat, block: int, round_p: bool
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Online softmax-PV: ``(acc, l, m)`` (``m`` = final running max, ``-inf`` for empty rows)."""
+def _online(s: torch.Tensor, v: torch.Tensor, c: FloatFormat, pf: FloatFormat, block: int, round_p: bool,
+            c2: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Online softmax-PV: ``(acc, l, m)`` (``m`` = final running max, ``-inf`` for empty rows).
+    ``c2`` (the exp2 kernels: FlashAttention-2 with torch's ``UNFUSE_FMA``, the memory-efficient
+    kernel): ``s`` are the unscaled ``q.k``, ``e = exp2(fl(fl(s c2) - fl(m c2)))``, ``alpha =
+    exp2(fl(fl(m_prev - m) c2))``, ``c2 = fl(scale log2 e)``; float64 ``exp2`` rounded once to ``c``."""
+
+    def ex(x: torch.Tensor, mx: torch.Tensor) -> torch.Tensor:  # the kernel's exp(x - mx)
+        if c2 is None:
+            return round_to(torch.exp(round_to(x - mx, c)), c)
+        return round_to(torch.exp2(round_to(round_to(x * c2, c) - round_to(mx * c2, c), c)), c)
+
+    def rescale(d: torch.Tensor) -> torch.Tensor:  # the kernel's exp(m_prev - m_new)
+        if c2 is None:
+            return round_to(torch.exp(round_to(d, c)), c)
+        return round_to(torch.exp2(round_to(round_to(d, c) * c2, c)), c)
+
     Lk = s.shape[-1]
     shape = s.shape[:-1]
     m = torch.full(shape + (1,), -math.inf, dtype=torch.float64)
@@ -125,8 +140,8 @@ def _online(s: torch.Tensor, v: torch.Tensor, c: FloatFormat, pf: FloatFormat, b
         m_new = torch.maximum(m, sb.max(-1, keepdim=True).values)
         live = torch.isfinite(m_new)
         mn = torch.where(live, m_new, torch.zeros_like(m_new))
-        alpha = torch.where(torch.isfinite(m), round_to(torch.exp(round_to(m - mn, c)), c), torch.zeros_like(m))
-        e = torch.where(torch.isfinite(sb), round_to(torch.exp(round_to(sb - mn, c)), c), torch.zeros_like(sb))
+        alpha = torch.where(torch.isfinite(m), rescale(m - mn), torch.zeros_like(m))
+        e = torch.where(torch.isfinite(sb), ex(sb, mn), torch.zeros_like(sb))
         l = torch.where(live, round_to(round_to(alpha * l, c) + emulate_terms(e, summ, c).unsqueeze(-1), c), l)
         pt = round_to(e, pf) if round_p else e
         carried = round_to(alpha * acc, c)
@@ -140,12 +155,19 @@ def _online(s: torch.Tensor, v: torch.Tensor, c: FloatFormat, pf: FloatFormat, b
 def emulate_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn_mask=None, mask=None,
                       is_causal: bool = False, causal: bool = False, scale: float | None = None,
                       enable_gqa: bool = False, algorithm: str = "standard", block_size: int = 128, fmt=None,
-                      compute_fmt=None, out_fmt=None, score_fmt=None, p_fmt=None, round_p: bool = True
-                      ) -> torch.Tensor:
+                      compute_fmt=None, out_fmt=None, score_fmt=None, p_fmt=None, round_p: bool = True,
+                      exp2: bool = False) -> torch.Tensor:
     """Attention forward under the stated model (module docstring); float64 result on the
-    output format's grid."""
+    output format's grid. ``exp2=True`` (``algorithm="online"``, boolean/causal masks): the GPU
+    kernels' exp2 of the unscaled scores times ``c2 = fl(scale log2 e)`` (:func:`_online`)."""
     prec, c, sf, pf = _formats(q, fmt, compute_fmt, out_fmt, score_fmt, p_fmt)
     pb = _problem(q, k, v, attn_mask, mask, is_causal or causal, scale, enable_gqa)
+    c2 = None
+    if exp2:
+        if algorithm != "online" or pb.add is not None:
+            raise ValueError("exp2=True emulates the GPU online kernels: algorithm='online' and a boolean mask")
+        c2 = float(round_to(torch.tensor(pb.scale * math.log2(math.e), dtype=torch.float64), c))
+        pb = replace(pb, scale=1.0)  # the scale is applied inside the exp2 argument
     s = _scores(pb, c, sf)
     valid = torch.isfinite(s).any(-1, keepdim=True)
     if algorithm == "standard":
@@ -154,7 +176,7 @@ def emulate_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, attn
         pt = round_to(p, pf) if round_p else p
         o = _gemm(pt, pb.v, c)
     elif algorithm == "online":
-        acc, l, _ = _online(s, pb.v, c, pf, block_size, round_p)
+        acc, l, _ = _online(s, pb.v, c, pf, block_size, round_p, c2)
         o = round_to(acc * round_to(1.0 / torch.where(valid, l, torch.ones_like(l)), c), c)
     else:
         raise ValueError(f"unknown algorithm {algorithm!r}")
