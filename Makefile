@@ -7,10 +7,6 @@ VPY     := $(VENV)/bin/python
 STAMP   := $(VENV)/.installed
 TORCH   ?= torch==2.13.0
 MCORE   ?= megatron-core==0.16.1
-# The CPU kernels the bound models were characterised on: ATen's AVX2 kernels, oneDNN up to
-# AVX2, also on AVX512 machines (ttrace_num/cpu_kernels.py; docs/bounds.md, "CPU kernel dispatch").
-export ATEN_CPU_CAPABILITY ?= avx2
-export ONEDNN_MAX_CPU_ISA ?= AVX2
 
 .PHONY: demo test bench setup clean
 

@@ -69,16 +69,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench import PINNED
-
-for _name in PINNED:  # speed is measured on this machine's own CPU kernels, not on the ones the models pin
-    os.environ.pop(_name)
-
 from examples.gloo import run_gloo
 from examples.megatron_cpu.gpt import DEFAULT_MODEL, layout_name
 
 def _kernels() -> str:
-    """The CPU kernels torch dispatches here (the pin of ``bench/__init__.py`` is undone above)."""
+    """The CPU kernels torch dispatches here."""
     import torch
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "unrestricted")
     return f"ATen {torch.backends.cpu.get_cpu_capability()}, oneDNN {isa}"

@@ -82,13 +82,17 @@ def test_torch_kernels_whole_range(data, fmt, name):
     x, exact = data[fmt]["x"], data[fmt][name]
     kernel, _, kw = OPS[name]
     b = tn.tolerance(_op(name), x, **kw)
+    tight = math.inf
     for mk in (True, False):  # oneDNN and ATen kernels
         with torch.backends.mkldnn.flags(enabled=mk):
             y = kernel(x)
         assert _violations(y, exact, b.abs) == 0
+        tight = min(tight, _tightness(y, exact, b.abs))
     finite = torch.isfinite(b.abs)
     assert finite.float().mean() > 0.99  # inf only where an intermediate overflows (|x|^3 > max)
-    assert _tightness(y, exact, b.abs) < 2.0  # attained within a factor 2 on the sweep
+    # attained within a factor 2 on the sweep by one of the kernels: TORCH_CPU is their maximum
+    # (the scalar dispatch's ATen gelu calls std::erf, 0.54 u, and is 4.4x below the oneDNN one)
+    assert tight < 2.0
 
 
 @pytest.mark.parametrize("fmt", list(DT))

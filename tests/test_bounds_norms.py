@@ -85,6 +85,7 @@ def _tight(y, exact, bound) -> float:
 # ----------------------------------------------------------------------------- the model is torch's
 
 
+@pytest.mark.cpu_dispatch("avx2")
 @pytest.mark.parametrize("fmt", list(DT))
 def test_emulation_is_torch_bit_for_bit(fmt):
     """Mean, 1/sqrt(var+eps) and output of ATen's CPU layer_norm equal the emulation of the
@@ -180,6 +181,7 @@ def test_one_over_sigma_amplification_is_needed():
     assert _viol(F.layer_norm(flat, [n], eps=EPS), ref.layer_norm(flat, [n], eps=EPS), bflat.abs) == 0
 
 
+@pytest.mark.cpu_dispatch("avx2")  # its last check needs the avx2 kernel's folded centering
 def test_wrong_models_caught(cases):
     # moments and normalisation claimed in fp64 (u of the wrong compute format): torch's fp32
     # cancellation error on x = 1e4 + N(0, 1) is not covered
