@@ -313,6 +313,9 @@ def cmd_tolerance(args: argparse.Namespace) -> int:
             raise UsageError("give --file F.safetensors [--inputs a,b] or one --shape per input (e.g. --shape 64x512 --shape 512x32)")
         inputs = generate(args.op, args.shape, args.dist, get_format(args.dtype).torch_dtype, args.seed)
         source = f"generated {args.dist} data, seed {args.seed}"
+        if args.fmt:  # generated data are stored in --fmt (the bound takes the inputs as values of it)
+            inputs = [tn.round_to(t, args.fmt).to(t.dtype) if t.is_floating_point() else t for t in inputs]
+            source += f", rounded to {args.fmt}"
     for t in inputs:
         if t.is_floating_point() and not torch.isfinite(t.to(torch.float64)).all():
             raise UsageError("input contains NaN/Inf; a tolerance is only defined for finite inputs")
@@ -397,7 +400,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             with safe_open(args.file, "pt") as fh:
                 names = list(fh.keys())
         tensors = dict(zip(names, loaded))
-    update, close = _progress_bar(len(ops) * args.samples)
+    update, close = _progress_bar(len(ops) * args.samples * (1 if args.file else len(args.dist)))
     ratios: dict[str, torch.Tensor] = {}
     try:
         cal = calibrate(args.format, ops, recipe=args.recipe, compute_fmt=args.compute_fmt, out_fmt=args.out_fmt,
@@ -476,7 +479,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     c.add_argument("--compute-fmt", dest="compute_fmt", default="fp32", type=format_spec, help="accumulation/intermediate format")
     c.add_argument("--out-fmt", dest="out_fmt", type=format_spec, help="output format of matmul, linear, sum, mean and quantized_matmul "
                    "(default: the compute format; the other ops output the calibrated format)")
-    c.add_argument("--samples", type=int_at_least(2), default=300, help="instances per op (half fit, half held-out)")
+    c.add_argument("--samples", type=int_at_least(2), default=300, help="instances per op and distribution (half fit, half held-out)")
     c.add_argument("--seed", type=int_at_least(0), default=0)
     c.add_argument("--p", type=probability, default=0.02, help="per-instance exceedance probability of the threshold")
     c.add_argument("--confidence", type=probability, default=0.9, help="confidence of the upper bound on the quantile")
