@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -62,11 +63,12 @@ from .ops import (ALL_OPS, QUANT_OPS, SPECS, CalibrationError, Setup, Shape, Sup
                   shape_error, unsupported)
 from .plots import plot
 
-__all__ = ["SCHEMA_VERSION", "ALL_OPS", "CalibrationError", "OpCalibration", "Calibration", "calibrate",
+__all__ = ["SCHEMA_VERSION", "ALL_OPS", "CalibrationError", "CalibrationDomainWarning", "OpCalibration", "Calibration",
+           "calibrate", "domain_problems", "row_peak_to_rms", "DISTRIBUTIONS",
            "kappa_upper_bound", "min_samples", "heldout_check", "load", "apply_calibration", "plot",
            "same_format"]
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 #: failure probability of the analytic bound ``B`` that ``kappa`` rescales
 ANALYTIC_FAILURE_PROBABILITY = 1e-6
 
@@ -123,6 +125,14 @@ class OpCalibration:
     shape: list[list[int]]
     distributions: list[str]
     quantiles: dict[str, float] = field(default_factory=dict)
+    #: per source (distribution name or ``tensors:...``): its own ``kappa`` (upper bound of its
+    #: ``(1 - p)`` quantile), point estimate, and held-out check against the op's ``kappa``
+    per_distribution: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: where the claim was measured: per tensor argument, ``units`` (the trailing dims one
+    #: instance's rows have: the reduction length, a row, an attention head; None for a weight)
+    #: and ``row_peak_to_rms`` (the ``[min, max]`` of :func:`row_peak_to_rms` over every
+    #: calibrated row; None for a weight). :func:`apply_calibration` warns outside it.
+    domain: dict[str, list] = field(default_factory=dict)
 
     @property
     def ratio(self) -> float:
@@ -256,22 +266,40 @@ def _draw(op: str, shapes: list[Shape], src: Source, k: int | None, g: torch.Gen
     return [src[1]((*((k,) if k else ()), *sh), g) for sh in shapes]
 
 
-def _draw_instances(op: str, s: Setup, n: int, shapes: list[Shape], sources: Sequence[Source], g: torch.Generator,
-                    progress: Callable[[int], None]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-instance and elementwise ratios of ``n`` instances drawn from ``sources`` in turn."""
+def row_peak_to_rms(t: torch.Tensor) -> torch.Tensor:
+    """``max_j |x_j| / sqrt(mean_j x_j^2)`` of every row (last dim) of ``t`` with a nonzero
+    row, in float64: a scale-free measure of a row's tail weight (``1`` for constant
+    magnitudes, ``~3.5`` for 128 normal values, ``sqrt(n)`` for one nonzero value in ``n``)."""
+    rows = t.detach().to(torch.float64).reshape(-1, t.shape[-1]) if t.dim() else t.detach().double().reshape(1, 1)
+    rms = rows.square().mean(-1).sqrt()
+    keep = rms > 0
+    return rows[keep].abs().amax(-1) / rms[keep]
+
+
+def _draw_instances(op: str, s: Setup, n: int, shapes: list[Shape], src: Source, g: torch.Generator,
+                    progress: Callable[[int], None]
+                    ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[float, float] | None]]:
+    """Per-instance and elementwise ratios of ``n`` instances drawn from ``src``, and per
+    tensor argument the range ``(min, max)`` of :func:`row_peak_to_rms` over the instances'
+    rows (None for a weight argument, the same tensor in every instance)."""
     spec = SPECS[op]
     per_inst, elems = [], []
-    for j, src in enumerate(sources):
-        m = n // len(sources) + (1 if j < n % len(sources) else 0)
-        step = 200 if spec.batched else 1
-        for c0 in range(0, m, step):
-            k = min(step, m - c0)
-            xs = spec.prepare(_draw(op, shapes, src, k if spec.batched else None, g), s)
-            pi, el = _ratios(op, s, xs)
-            per_inst.append(pi)
-            elems.append(el)
-            progress(k)
-    return torch.cat(per_inst), torch.cat(elems)
+    lo = [math.inf] * len(spec.args)
+    hi = [-math.inf] * len(spec.args)
+    step = 200 if spec.batched else 1
+    for c0 in range(0, n, step):
+        k = min(step, n - c0)
+        xs = spec.prepare(_draw(op, shapes, src, k if spec.batched else None, g), s)
+        for i, (x, u) in enumerate(zip(xs, spec.units)):
+            st = row_peak_to_rms(x) if u else None
+            if st is not None and st.numel():
+                lo[i], hi[i] = min(lo[i], float(st.min())), max(hi[i], float(st.max()))
+        pi, el = _ratios(op, s, xs)
+        per_inst.append(pi)
+        elems.append(el)
+        progress(k)
+    ranges = [(a, b) if u and a <= b else None for a, b, u in zip(lo, hi, spec.units)]
+    return torch.cat(per_inst), torch.cat(elems), ranges
 
 
 def calibrate(fmt: "str | FloatFormat", ops: Iterable[str] | str = "all", *, recipe: str | None = None,
@@ -292,7 +320,9 @@ def calibrate(fmt: "str | FloatFormat", ops: Iterable[str] | str = "all", *, rec
         compute_fmt: accumulation / intermediate format (fp32).
         out_fmt: output format of the GEMMs and reductions (default ``compute_fmt``; e.g.
             bf16 for a bf16 model whose matmuls store bf16).
-        samples: instances per op, split in halves: fit and held-out.
+        samples: instances per op and source (each distribution, or the tensors), split in
+            halves: fit and held-out. ``kappa`` is the largest of the sources' own upper bounds,
+            so the claim holds for each distribution (each with confidence ``confidence``).
         seed: the only source of randomness (same arguments => identical result).
         distributions: names from :data:`ttrace_num.calibrate.distributions.DISTRIBUTIONS`, used in turn.
         tensors: instead of ``distributions``, instances cut from these tensors (the op's
@@ -361,32 +391,52 @@ def _calibrate(f: FloatFormat, c: FloatFormat, s: Setup, recipe: str | None, op_
             why = sources[0].unfit(op, arg_shapes[op], s)
         if why is not None:
             skipped[op] = why
-            progress(samples)
+            progress(samples * len(sources))
             continue
         g = torch.Generator().manual_seed(seed * 1000003 + zlib.crc32(op.encode()))
+        inst_shapes = (sources[0].shapes(op, arg_shapes[op]) if isinstance(sources[0], Supplied)
+                       else [list(sh) for sh in arg_shapes[op]])
         try:
-            r, elems = _draw_instances(op, s, samples, arg_shapes[op], sources, g, progress)
+            fits, helds, rs, elems, ranges = [], [], [], [], []
+            for src in sources:  # samples instances per source, each split into fit and held-out halves
+                r, el, rng = _draw_instances(op, s, samples, arg_shapes[op], src, g, progress)
+                perm = torch.randperm(samples, generator=g)
+                fits.append(r[perm[:samples // 2]])
+                helds.append(r[perm[samples // 2:]])
+                rs.append(r)
+                elems.append(el)
+                ranges.append(rng)
         except _NotCovered as e:
             skipped[op] = str(e)
             continue
-        inst_shapes = (sources[0].shapes(op, arg_shapes[op]) if isinstance(sources[0], Supplied)
-                       else [list(sh) for sh in arg_shapes[op]])
-        perm = torch.randperm(samples, generator=g)
-        fit, held = r[perm[:samples // 2]], r[perm[samples // 2:]]
-        kappa = kappa_upper_bound(fit, p, confidence)
+        r, elems_all = torch.cat(rs), torch.cat(elems)
+        kappas = [kappa_upper_bound(fit, p, confidence) for fit in fits]
+        kappa = max(kappas)  # covers each source's (1 - p) quantile, each with confidence `confidence`
         if kappa == 0:
-            skipped[op] = (f"{int((r == 0).sum())} of {samples} instances of shapes {inst_shapes} are computed "
+            skipped[op] = (f"{int((r == 0).sum())} of {r.numel()} instances of shapes {inst_shapes} are computed "
                            f"exactly in {c}: no error to calibrate the model's constant from (longer reductions or "
                            "other data would round)")
             continue
-        v, pval = heldout_check(held, kappa, p)
-        qs = {f"elem_q{q}": float(torch.quantile(elems[:1 << 24].float(), q)) for q in (0.5, 0.9, 0.99)}
-        qs["elem_max"] = float(elems.max())
+        per_source = {}
+        for label, kd, fit, held in zip(labels, kappas, fits, helds):
+            vd, pd = heldout_check(held, kappa, p)
+            per_source[label] = {"kappa": kd, "kappa_point": float(torch.quantile(fit, 1 - p)),
+                                 "heldout_violations": vd, "n_heldout": int(held.numel()), "heldout_pvalue": pd}
+        held_all = torch.cat(helds)
+        v, pval = heldout_check(held_all, kappa, p)
+        qs = {f"elem_q{q}": float(torch.quantile(elems_all[:1 << 24].float(), q)) for q in (0.5, 0.9, 0.99)}
+        qs["elem_max"] = float(elems_all.max())
+        spec = SPECS[op]
+        domain = {"units": [sh[len(sh) - u:] if u else None for sh, u in zip(inst_shapes, spec.units)],
+                  "row_peak_to_rms": [None if any(rg[i] is None for rg in ranges) else
+                                      [min(rg[i][0] for rg in ranges), max(rg[i][1] for rg in ranges)]
+                                      for i in range(len(spec.args))]}
         results[op] = OpCalibration(
-            op=op, kappa=kappa, kappa_point=float(torch.quantile(fit, 1 - p)), p=p, confidence=confidence,
-            n_fit=int(fit.numel()), n_heldout=int(held.numel()), heldout_violations=v, heldout_pvalue=pval,
-            analytic_failure_probability=ANALYTIC_FAILURE_PROBABILITY, out_fmt=_spec(SPECS[op].out(s)),
-            shape=inst_shapes, distributions=labels, quantiles=qs)
+            op=op, kappa=kappa, kappa_point=max(d["kappa_point"] for d in per_source.values()), p=p,
+            confidence=confidence, n_fit=sum(int(fit.numel()) for fit in fits), n_heldout=int(held_all.numel()),
+            heldout_violations=v, heldout_pvalue=pval,
+            analytic_failure_probability=ANALYTIC_FAILURE_PROBABILITY, out_fmt=_spec(spec.out(s)),
+            shape=inst_shapes, distributions=labels, quantiles=qs, per_distribution=per_source, domain=domain)
         if keep is not None:
             keep[op] = r
     from .. import __version__
@@ -395,6 +445,44 @@ def _calibrate(f: FloatFormat, c: FloatFormat, s: Setup, recipe: str | None, op_
 
 
 # ----------------------------------------------------------------------------- consumption
+class CalibrationDomainWarning(UserWarning):
+    """A calibrated constant applied to inputs unlike those it was measured on."""
+
+
+#: elementwise ops: an output element depends on its own input element(s) only, so the row
+#: length is no part of their domain (their per-element claim holds at any length)
+_LENGTH_FREE = ("gelu", "silu", "swiglu", "add")
+
+
+def domain_problems(name: str, entry: OpCalibration, inputs: Sequence[torch.Tensor]) -> list[str]:
+    """Why ``inputs`` lie outside the domain ``entry`` was calibrated on (empty if they do
+    not): a tensor argument whose rows/units (the trailing dims) differ from the calibrated
+    ones (the ratio of error to analytic bound depends on the reduction length: the bound
+    grows like ``sqrt(n)``, the observed error may not), or one with more than a fraction
+    ``p`` of rows whose :func:`row_peak_to_rms` lies outside the calibrated range (heavier- or
+    lighter-tailed data than calibrated: the claim was not measured there). A detector of a
+    shift, not a proof of sameness: data inside the domain may still differ."""
+    out = []
+    units, ranges = entry.domain.get("units", []), entry.domain.get("row_peak_to_rms", [])
+    for i, (t, u, rg) in enumerate(zip(inputs, units, ranges)):
+        if u is None or not isinstance(t, torch.Tensor):
+            continue
+        have = list(t.shape[max(0, t.dim() - len(u)):])
+        if have != list(u):
+            if name not in _LENGTH_FREE:
+                out.append(f"input {i} has units {have} (trailing dims), calibrated at {list(u)}")
+            continue
+        if rg is not None:
+            st = row_peak_to_rms(t)
+            frac = float(((st < rg[0]) | (st > rg[1])).double().mean()) if st.numel() else 0.0
+            if frac > entry.p:
+                out.append(f"{100 * frac:.3g}% of input {i}'s rows have a peak-to-RMS ratio outside the calibrated "
+                           f"range [{rg[0]:.3g}, {rg[1]:.3g}] (more than p = {entry.p:g}): its values are "
+                           f"{'heavier' if float(st.median()) >= rg[0] else 'lighter'}-tailed than those calibrated "
+                           f"({', '.join(entry.distributions)})")
+    return out
+
+
 def apply_calibration(op: str, inputs: Sequence[torch.Tensor], calibration: "Calibration | str | Path", *,
                       fmt=None, compute_fmt=None, mode: str = "probabilistic", **op_kwargs: Any) -> Bound:
     """``min(kappa * B, deterministic bound)`` for ``op`` with ``kappa`` from ``calibration``
@@ -442,6 +530,14 @@ def apply_calibration(op: str, inputs: Sequence[torch.Tensor], calibration: "Cal
     kw = {"fmt": f, "compute_fmt": c, **op_kwargs}
     if name != "quantize":
         kw["out_fmt"] = entry.out_fmt
+    problems = domain_problems(name, entry, inputs)
+    if problems:
+        warnings.warn(f"{src}: the constant of op {name} (kappa={entry.kappa:.4g}) was measured on instances of shapes "
+                      f"{entry.shape} drawn like {', '.join(entry.distributions)}, and these inputs are outside that: "
+                      f"{'; '.join(problems)}. Its claim (P(exceed) <= {entry.p:g}) may not hold here: calibrate at "
+                      f"these shapes and on such data (ttrace calibrate --shape {name}=..., --dist with heavy-tailed "
+                      "distributions, or --file with your tensors), or use the analytic bound (no calibration=)",
+                      CalibrationDomainWarning, stacklevel=3)
     fn = lookup(name)
     b = fn(*inputs, mode="probabilistic", failure_probability=entry.analytic_failure_probability, **kw)
     det = fn(*inputs, mode="deterministic", **kw)
