@@ -40,8 +40,9 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, bound: Bound |
     Args:
         actual: the computed tensor (any float dtype).
         expected: the exact (or reference) result; broadcastable to ``actual``.
-        bound: a :class:`~ttrace_num.Bound` (e.g. from :func:`ttrace_num.tolerance`), or an
-            elementwise tensor/scalar bound.
+        bound: a :class:`~ttrace_num.Bound` (from :func:`ttrace_num.tolerance`, or a
+            :class:`~ttrace_num.propagate.LayerBound` from ``layer_tolerance`` for a whole
+            module's output), or an elementwise tensor/scalar bound.
         msg: prefix of the failure message.
         equal_nan: NaN in both at the same place counts as equal.
         show: how many of the worst elements to list.
