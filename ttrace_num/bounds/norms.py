@@ -170,6 +170,8 @@ __all__ = [
     "default_layout",
     "layer_norm",
     "moment_errors",
+    "check_dim",
+    "map_row_chunks",
     "rms_norm",
     "torch_cpu_moments",
 ]
@@ -199,6 +201,41 @@ class TorchCPULayout:
     def lanes(self) -> int:
         """fp32 accumulator lanes (``Vectorized<float>::size()``)."""
         return self.vector_bytes // 4
+
+
+#: Rowwise bounds (norms, softmax family) process their rows in chunks of about this many
+#: elements: the float64 working set (~20 arrays of a chunk's size) stays bounded whatever the
+#: input's size, and every statistic is per row, so the results are bitwise those of one pass.
+CHUNK_ELEMENTS = 1 << 19
+
+
+def map_row_chunks(rows: torch.Tensor, fn) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """Apply ``fn(rows64, sl) -> (bound, magnitude, extra)`` to chunks of rows of ``rows``
+    (``(R, n)``, any dtype; each chunk converted to float64, about :data:`CHUNK_ELEMENTS`
+    elements, at least one row; one empty chunk when ``R = 0``) and assemble the two float64
+    ``(R, n)`` results; ``extra`` (small per-chunk values) is returned as a list."""
+    R, n = rows.shape
+    out_b = torch.empty((R, n), dtype=torch.float64)
+    out_m = torch.empty((R, n), dtype=torch.float64)
+    step = max(1, CHUNK_ELEMENTS // max(n, 1))
+    extras = []
+    for i in range(0, max(R, 1), step):
+        sl = slice(i, min(i + step, R))
+        b, m, e = fn(f64(rows[sl]), sl)
+        out_b[sl], out_m[sl] = b, m
+        extras.append(e)
+    return out_b, out_m, extras
+
+
+def check_dim(x: torch.Tensor, dim: int) -> int:
+    """``dim`` normalised to ``[0, x.dim())``; a ``ValueError`` naming it when out of range."""
+    if isinstance(dim, bool) or not isinstance(dim, int):
+        raise TypeError(f"dim must be an int, got {type(dim).__name__}")
+    nd = max(x.dim(), 1)
+    if not -nd <= dim < nd:
+        raise ValueError(f"dim={dim} is out of range for an input of {x.dim()} dimensions "
+                         f"(shape {tuple(x.shape)}); pass a dim in [{-nd}, {nd - 1}]")
+    return dim % nd
 
 
 def default_layout() -> TorchCPULayout:
@@ -623,13 +660,14 @@ def _affine_out(z: torch.Tensor, dz: torch.Tensor, w: torch.Tensor | None, b: to
 
 
 def _rows(x: torch.Tensor, normalized_shape) -> tuple[torch.Tensor, int]:
+    """The rows ``(R, n)`` of ``x`` in its own dtype (a view when contiguous) and ``n``."""
     if isinstance(normalized_shape, int):
         normalized_shape = (normalized_shape,)
     k = len(tuple(normalized_shape))
     if tuple(x.shape[x.dim() - k:]) != tuple(normalized_shape):
         raise ValueError(f"normalized_shape {tuple(normalized_shape)} does not match input {tuple(x.shape)}")
     n = math.prod(normalized_shape)
-    return f64(x).reshape(-1, n), n
+    return x.detach().reshape(-1, n), n
 
 
 def _normalized_last(x: torch.Tensor, normalized_shape, dim: int
@@ -639,20 +677,32 @@ def _normalized_last(x: torch.Tensor, normalized_shape, dim: int
     if normalized_shape is not None:
         return x, normalized_shape, None
     back = None
-    if dim not in (-1, x.dim() - 1):
+    dim = check_dim(x, dim)
+    if dim != x.dim() - 1:
         x, back = x.movedim(dim, -1), dim
     return x, (x.shape[-1],), back
+
+
+def _tmax(t: torch.Tensor) -> float:
+    """``max(t)`` of a non-negative tensor (0 when empty; the maximum over chunks is the whole
+    tensor's)."""
+    return float(t.max()) if t.numel() else 0.0
 
 
 def _flat(t: torch.Tensor | None, n: int) -> torch.Tensor | None:
     return None if t is None else t.reshape(n)
 
 
-def _finish(err: torch.Tensor, x: torch.Tensor, rows: torch.Tensor, back: int | None) -> torch.Tensor:
-    """Rows with non-finite inputs (or NaN bounds) get ``inf``; back to the input's layout."""
+def _inf_rows(err: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows with non-finite inputs (or NaN bounds) get ``inf``."""
     bad = ~torch.isfinite(rows).all(-1, keepdim=True)
-    err = torch.where(bad | torch.isnan(err), torch.full_like(err, math.inf), err).reshape(x.shape)
-    return err if back is None else err.movedim(-1, back)
+    return torch.where(bad | torch.isnan(err), torch.full_like(err, math.inf), err)
+
+
+def _finish(t: torch.Tensor, x: torch.Tensor, back: int | None) -> torch.Tensor:
+    """Rows ``(R, n)`` back to the input's layout."""
+    t = t.reshape(x.shape)
+    return t if back is None else t.movedim(-1, back)
 
 
 @register("layer_norm")
@@ -681,37 +731,45 @@ def layer_norm(x: torch.Tensor, normalized_shape: int | Sequence[int] | None = N
     if centering not in ("subtract", "fold"):
         raise ValueError(f"centering must be 'subtract' or 'fold', not {centering!r}")
     rows, n = _rows(x, normalized_shape)
-    me = moment_errors(rows, prec, ms, moments, layout, summation)
     eps_h, deps = _conv(float(eps), c)
-    W = me.v + eps
-    dW = me.e_v + deps + hu(inflate(W) + me.e_v + deps, c)
     u = c.u
-    rho = _rho_r(dW, W, eps_h, (1 + u) / (1 - u) - 1)
-    r = inflate(1.0 / torch.sqrt(W))
-    d = rows - me.mu
-    ad = inflate(d.abs()) + 2.0 ** -45 * rows.abs().amax(-1, keepdim=True)
-    z = d * r
-    if centering == "subtract":
-        dd = me.e_mu + sub_rounding(rows, torch.zeros_like(rows), me.mu, me.e_mu, ad + me.e_mu, c)
-        dz = dd * r * (1 + rho) + ad * r * rho + hu((ad + dd) * r * (1 + rho), c)
-    else:
-        pre = ad * r * rho + me.e_mu * r * (1 + rho)
-        pi = hu(rows.abs() * r * (1 + rho), c)
-        beta = hu(r * (1 + rho) * (me.mu.abs() + me.e_mu), c)
-        dz = pre + pi + beta + hu(inflate(z.abs()) + pre + pi + beta, c)
-    err, mag = _affine_out(z, dz, _flat(weight, n), _flat(bias, n), prec)
-    values = {**me.values, "n": n, "eps": eps, "centering": centering, "precision": prec.describe(),
-              "max rho_r": float(rho.max()) if rho.numel() else 0.0, "max r = 1/sqrt(v+eps)": float(r.max()) if r.numel() else 0.0}
+    w, bb = _flat(weight, n), _flat(bias, n)
+
+    def rows_fn(rows: torch.Tensor, sl: slice):
+        me = moment_errors(rows, prec, ms, moments, layout, summation)
+        W = me.v + eps
+        dW = me.e_v + deps + hu(inflate(W) + me.e_v + deps, c)
+        rho = _rho_r(dW, W, eps_h, (1 + u) / (1 - u) - 1)
+        r = inflate(1.0 / torch.sqrt(W))
+        d = rows - me.mu
+        ad = inflate(d.abs()) + 2.0 ** -45 * rows.abs().amax(-1, keepdim=True)
+        z = d * r
+        if centering == "subtract":
+            dd = me.e_mu + sub_rounding(rows, torch.zeros_like(rows), me.mu, me.e_mu, ad + me.e_mu, c)
+            dz = dd * r * (1 + rho) + ad * r * rho + hu((ad + dd) * r * (1 + rho), c)
+        else:
+            pre = ad * r * rho + me.e_mu * r * (1 + rho)
+            pi = hu(rows.abs() * r * (1 + rho), c)
+            beta = hu(r * (1 + rho) * (me.mu.abs() + me.e_mu), c)
+            dz = pre + pi + beta + hu(inflate(z.abs()) + pre + pi + beta, c)
+        err, mag = _affine_out(z, dz, w, bb, prec)
+        return _inf_rows(err, rows), _inf_rows(mag, rows), (me.values, _tmax(rho), _tmax(r))
+
+    err, mag, ex = map_row_chunks(rows, rows_fn)
+    me_values = ex[0][0]
+    rho_max, r_max = max(e[1] for e in ex), max(e[2] for e in ex)
+    values = {**me_values, "n": n, "eps": eps, "centering": centering, "precision": prec.describe(),
+              "max rho_r": rho_max, "max r = 1/sqrt(v+eps)": r_max}
     if ms.mode == "probabilistic":
         values["failure split"] = "mean / M (torch_cpu: 2 pieces; two_pass: 3)"
-    return Bound(abs=_finish(err, x, rows, back), mode=ms.mode, failure_probability=ms.failure_probability,
-                 magnitude=_finish(mag, x, rows, back),
+    return Bound(abs=_finish(err, x, back), mode=ms.mode, failure_probability=ms.failure_probability,
+                 magnitude=_finish(mag, x, back),
                  explanation=Explanation(
                      op="layer_norm",
                      formula="|err_i| <= [E_mu r(1+rho_r) + |d_i| r rho_r + roundings] |w_i| + hu(..) + hu_out(|y_i| + ..), "
                              "rho_r = sqrt(W / max(eps^, W - dW)) (1+u)/(1-u) - 1",
                      source=SOURCE,
-                     assumptions=(f"moments: {me.values['moments']}", f"centering: {centering}",
+                     assumptions=(f"moments: {me_values['moments']}", f"centering: {centering}",
                                   "sqrt and division correctly rounded (r = 1/sqrt(v+eps))",
                                   "FMA contraction allowed (covered)"),
                      values=values))
@@ -736,36 +794,43 @@ def rms_norm(x: torch.Tensor, normalized_shape: int | Sequence[int] | None = Non
     if eps is None:
         eps = c.eps
     rows, n = _rows(x, normalized_shape)
-    sq = rows * rows
-    S = inflate(sq.sum(-1, keepdim=True))
-    ms_ = S / n
     prod = 0 if products_exact(prec.storage, c) else 1  # x^2 rounded in c
     if summation is None or summation == "torch_cpu":
         lanes = (layout or default_layout()).lanes
         height = torch_cpu_sum_height(n, lanes if n >= lanes else 1)
         depths = {c: height + prod + 1}  # + the division by n
         coef, eta = accumulation_terms(depths, {c: (height + prod) * n + 1}, ms.mode, ms.lam)
-        e_ms = coef * ms_ + eta
         sdesc = f"torch CPU cascade sum ({lanes} lanes, tree height {height})"
     else:
-        e_ms, _ = sum_error_bound(ms_, ms_, n, summation, c, ms.mode, ms.lam,
-                                  exact_products=not prod, extra_depths={c: 1})
         sdesc = summation.describe()
-    e_ms = _overflow(e_ms, S * (1 + 2 * n * c.u), c)
     eps_h, deps = _conv(float(eps), c)
-    W = ms_ + eps
-    dW = e_ms + deps + hu(inflate(W) + e_ms + deps, c)
-    rho = _rho_r(dW, W, eps_h, lib.rsqrt_rel * c.u)
-    r = inflate(1.0 / torch.sqrt(W))
-    ax = rows.abs()
-    dz = ax * r * rho + hu(ax * r * (1 + rho), c)
-    err, mag = _affine_out(rows * r, dz, _flat(weight, n), None, prec)
+    w = _flat(weight, n)
+
+    def rows_fn(rows: torch.Tensor, sl: slice):
+        S = inflate((rows * rows).sum(-1, keepdim=True))
+        ms_ = S / n
+        if summation is None or summation == "torch_cpu":
+            e_ms = coef * ms_ + eta
+        else:
+            e_ms, _ = sum_error_bound(ms_, ms_, n, summation, c, ms.mode, ms.lam,
+                                      exact_products=not prod, extra_depths={c: 1})
+        e_ms = _overflow(e_ms, S * (1 + 2 * n * c.u), c)
+        W = ms_ + eps
+        dW = e_ms + deps + hu(inflate(W) + e_ms + deps, c)
+        rho = _rho_r(dW, W, eps_h, lib.rsqrt_rel * c.u)
+        r = inflate(1.0 / torch.sqrt(W))
+        ax = rows.abs()
+        dz = ax * r * rho + hu(ax * r * (1 + rho), c)
+        err, mag = _affine_out(rows * r, dz, w, None, prec)
+        return _inf_rows(err, rows), _inf_rows(mag, rows), _tmax(rho)
+
+    err, mag, ex = map_row_chunks(rows, rows_fn)
     values = {"n": n, "eps": eps, "summation": sdesc, "precision": prec.describe(),
-              "rsqrt": f"{lib.name} ({lib.rsqrt_rel} u)", "max rho_r": float(rho.max()) if rho.numel() else 0.0}
+              "rsqrt": f"{lib.name} ({lib.rsqrt_rel} u)", "max rho_r": max(ex)}
     if ms.mode == "probabilistic":
         values["lambda"] = ms.lam
-    return Bound(abs=_finish(err, x, rows, back), mode=ms.mode, failure_probability=ms.failure_probability,
-                 magnitude=_finish(mag, x, rows, back),
+    return Bound(abs=_finish(err, x, back), mode=ms.mode, failure_probability=ms.failure_probability,
+                 magnitude=_finish(mag, x, back),
                  explanation=Explanation(
                      op="rms_norm",
                      formula="|err_i| <= [|x_i| r rho_r + hu(|x_i| r(1+rho_r))] |w_i| + hu(..) + hu_out(..), "

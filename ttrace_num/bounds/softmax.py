@@ -173,7 +173,8 @@ from ..formats import FloatFormat, get_format, half_ulp
 from ..rounding import round_to
 from .base import Bound, Explanation, lambda_for
 from .common import Precision, f64, register, resolve_mode, resolve_precision
-from .summation import (Depths, Summation, accumulation_terms, conversion_exact, output_rounding,
+from .norms import TorchCPULayout, check_dim, default_layout, map_row_chunks
+from .summation import (Depths, Summation, accumulation_terms, conversion_exact, output_rounding, overflow_possible,
                         sigma_coefficient, sum_difference_bound, sum_error_bound, theta, underflow_term)
 
 __all__ = ["softmax", "log_softmax", "cross_entropy", "vocab_parallel_cross_entropy",
@@ -195,11 +196,13 @@ class _Rows:
     n: int
     valid: torch.Tensor    # (..., 1) bool: finite max, no NaN/+inf
     masked: torch.Tensor   # (..., n) bool: -inf entries
+    zero: torch.Tensor     # (..., n) bool: exp(t_j) is exactly 0 (not masked)
     a: torch.Tensor        # (..., n) x - m (float64; 0 where masked)
     y: torch.Tensor        # upper bound on y_j (0 where masked)
     om: torch.Tensor       # upper bound on 1 - y_j
     L: torch.Tensor        # (..., 1) upper bound on log S
-    h: torch.Tensor        # bound on |tau_j|
+    tau: torch.Tensor      # bound on |tau_j| (the shift's rounding)
+    h: torch.Tensor        # tau_j's bound where it enters alpha_j (0 where exp(t_j) is exactly 0)
     A: torch.Tensor        # bound on |alpha_j|
     R: torch.Tensor        # A - h - c_exp u (second-order part)
     eta_i: torch.Tensor    # per-element exp underflow term
@@ -210,6 +213,7 @@ class _Rows:
     qh2: torch.Tensor      # sum_j y_j^2 h_j^2
     qy2: torch.Tensor      # sum_j y_j^2
     se: torch.Tensor       # upper bound on sum_j e_j / S
+    S: torch.Tensor        # (..., 1) S = sum_j exp(a_j) (float64, >= 1)
     theta: float
     sigma: float
     eta_sum: float
@@ -219,6 +223,22 @@ class _Rows:
 
 def _inf_where(bad: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.where(bad, torch.full_like(v, math.inf), v)
+
+
+def half_ulp_to_max(t: torch.Tensor, f: FloatFormat) -> torch.Tensor:
+    """Bound on the rounding to ``f`` of a value of magnitude ``<= t``, up to ``f``'s overflow
+    threshold: a value in ``(max, max + half_ulp(max))`` rounds to ``max`` (error below
+    ``half_ulp(max)``); ``inf`` from the threshold on (it may round to ``inf``)."""
+    hm = float(half_ulp(torch.tensor(f.max, dtype=torch.float64), f))
+    return torch.where(t < f.max + hm, half_ulp(t.clamp(max=f.max), f), torch.full_like(t, math.inf))
+
+
+def exp_zero_threshold(c: FloatFormat) -> float:
+    """Arguments below which the compute format's exp returns exactly 0: ``log(min_subnormal_c)
+    - 1`` (exact result below ``min_subnormal / e``, under half the smallest subnormal: a
+    correctly rounded exp gives 0; SLEEF ``expf_u10`` returns 0 below -104 and glibc ``expf``
+    below -103.97, both above fp32's threshold -104.28)."""
+    return math.log(c.min_subnormal) - 1.0
 
 
 def _row_stats(x64: torch.Tensor, c: FloatFormat, summ: Summation, exp_ulps: float, mode: str,
@@ -237,28 +257,32 @@ def _row_stats(x64: torch.Tensor, c: FloatFormat, summ: Summation, exp_ulps: flo
     bb = a - xs
     err64 = (xs - (a - bb)) + (-m - bb)
     exact = (err64 == 0) & (round_to(a, c) == a)
-    h = torch.where(exact | masked, torch.zeros_like(a), half_ulp(a.abs() * (1 + 2.0 ** -52), c))
+    tau = torch.where(exact | masked, torch.zeros_like(a), half_ulp_to_max(a.abs() * (1 + 2.0 ** -52), c))
+    # exp(t_j) is exactly 0 for every t_j within tau_j of a_j, or when t_j <= -max_c (module
+    # docstring, "Entries whose exp is exactly 0"): alpha_j = 0, |e_j - E_j| = E_j < eta_j
+    zero = ~masked & ((a + tau < exp_zero_threshold(c)) | (a <= -c.max))
+    h = torch.where(zero, torch.zeros_like(tau), tau)
     u = c.u
     cu = 2.0 * exp_ulps * u
     E = torch.where(masked, torch.zeros_like(a), torch.exp(a))
-    S = E.sum(-1, keepdim=True)
+    S = _row_sum(E)
     g = (n + _F64_SLACK_TERMS) * 2.0 ** -52
     y = (E / S * (1 + g)).clamp(max=1.0)
     om = (1.0 - E / S * (1 - g)).clamp(min=0.0, max=1.0)
     L = torch.log(S) + 2 * g
     em1 = torch.expm1(h)
-    A = torch.where(masked, torch.zeros_like(h), em1 * (1 + cu) + cu)
-    R = torch.where(masked, torch.zeros_like(h), (em1 - h) + em1 * cu)
+    A = torch.where(masked | zero, torch.zeros_like(h), em1 * (1 + cu) + cu)
+    R = torch.where(masked | zero, torch.zeros_like(h), (em1 - h) + em1 * cu)
     # exp results possibly below c's normal range: one subnormal ulp of absolute error
     under = ~masked & (torch.exp(a - h) < c.min_normal)
     eta_i = torch.where(under, torch.full_like(a, 2 * c.subnormal_abs_error), torch.zeros_like(a))
-    eta_e = eta_i.sum(-1, keepdim=True)
-    Abar = (y * A).sum(-1, keepdim=True)
-    Rbar = (y * R).sum(-1, keepdim=True)
-    Hbar = (y * h).sum(-1, keepdim=True)
-    ysum = y.sum(-1, keepdim=True)
-    qh2 = (y * y * h * h).sum(-1, keepdim=True)
-    qy2 = (y * y).sum(-1, keepdim=True)
+    eta_e = _row_sum(eta_i)
+    Abar = _row_sum(y * A)
+    Rbar = _row_sum(y * R)
+    Hbar = _row_sum(y * h)
+    ysum = _row_sum(y)
+    qh2 = _row_sum(y * y * h * h)
+    qy2 = _row_sum(y * y)
     depths = summ.depths(n)
     th, sig = theta(depths), sigma_coefficient(depths)
     eta_sum = underflow_term({f: n + summ.split for f in depths})
@@ -267,9 +291,28 @@ def _row_stats(x64: torch.Tensor, c: FloatFormat, summ: Summation, exp_ulps: flo
     if mode == "probabilistic":
         lin = lam * torch.sqrt(qh2 + cu * cu * qy2 + ((1 + th) * sig * se) ** 2)
         B = torch.minimum(B, lin + Rbar + eta_e + eta_sum)
-    B = _inf_where(B >= 1, B)
-    return _Rows(n, valid, masked, a, y, om, L, h, A, R, eta_i, eta_e, Rbar, Hbar, ysum, qh2, qy2, se,
+    # every partial sum of the e_j is at most (1 + theta) S se: held in a format it may overflow
+    # (an fp16 accumulator), s may be inf
+    big = (B >= 1) | _overflows(S * se * (1 + th), depths)
+    B = _inf_where(big, B)
+    return _Rows(n, valid, masked, zero, a, y, om, L, tau, h, A, R, eta_i, eta_e, Rbar, Hbar, ysum, qh2, qy2, se, S,
                  th, sig, eta_sum, cu, B)
+
+
+def _row_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim (keepdim) in a fixed sequential order per row: float64 results that
+    do not depend on the other rows of the batch (``Tensor.sum`` may vectorise across rows), so
+    that chunks of rows give bitwise the bounds of one pass."""
+    return t.cumsum(-1)[..., -1:] if t.shape[-1] else t.sum(-1, keepdim=True)
+
+
+def _overflows(upper: torch.Tensor, fmts) -> torch.Tensor:
+    """``True`` where a value of magnitude up to ``upper`` held in any of ``fmts`` may overflow
+    (:func:`.summation.overflow_possible`)."""
+    mask = torch.zeros_like(upper, dtype=torch.bool)
+    for f in fmts:
+        mask |= overflow_possible(upper, f)
+    return mask
 
 
 def _lambdas(ms_mode: str, p: float, events: int) -> float:
@@ -284,7 +327,10 @@ def _division_u(division: str, c: FloatFormat) -> float:
     raise ValueError(f"division must be 'reciprocal' or 'divide', not {division!r}")
 
 
-def _softmax_rows(r: _Rows, c: FloatFormat, out: FloatFormat, ur: float, mode: str, lam: float) -> torch.Tensor:
+def _softmax_rows(r: _Rows, c: FloatFormat, out: FloatFormat, ur: float, mode: str, lam: float,
+                  stored: torch.Tensor | None = None, st: FloatFormat | None = None) -> torch.Tensor:
+    """Softmax bound of the rows; ``stored`` (bool, ``(..., 1)``): rows whose ``e_j`` are
+    rounded to ``st`` before the division (module docstring, "Kernel paths")."""
     y, om, h, cu = r.y, r.om, r.h, r.cu
     lin = om * (h + cu) + (r.Hbar + cu * r.ysum - y * (h + cu)).clamp(min=0) + r.theta * r.se + ur
     rem = om * r.R + (r.Rbar - y * r.R).clamp(min=0) + ur * r.A + r.eta_sum
@@ -294,10 +340,17 @@ def _softmax_rows(r: _Rows, c: FloatFormat, out: FloatFormat, ur: float, mode: s
         lin = torch.minimum(lin, lam * torch.sqrt(q2))
     num = y * (lin + rem) + r.eta_i * (1 + ur) + y * r.eta_e
     ep = num / (1.0 - r.B)
+    if stored is not None and bool(stored.any()):
+        e_up = torch.where(r.masked, torch.zeros_like(r.a), torch.exp(r.a)) * (1 + r.A) + r.eta_i
+        extra = half_ulp(e_up, st) * (1 + ur) / (r.S * (1.0 - r.B))
+        ep = ep + torch.where(stored, extra, torch.zeros_like(extra))
     ep = _inf_where(~torch.isfinite(r.B).expand_as(ep), ep)
     fin = half_ulp(y + ep, c)
     tot = ep + fin
     tot = tot + output_rounding(y + tot, c, out)
+    # a zero exp gives exactly 0 through every later rounding: the error is y_i itself (y bounds
+    # it up to float64's underflow of exp(a_i), below its smallest subnormal)
+    tot = torch.where(r.zero, torch.minimum(tot, y + math.ulp(0.0)), tot)
     tot = torch.where(r.masked, torch.zeros_like(tot), tot)
     return _inf_where(~r.valid.expand_as(tot), tot)
 
@@ -309,24 +362,26 @@ def _log_softmax_rows(r: _Rows, c: FloatFormat, out: FloatFormat, st: FloatForma
     st_rounds = not conversion_exact(c, st)
     ust = st.u if st_rounds else 0.0
     Bp = r.B + ust * (1 + r.B)
-    Bp = _inf_where(Bp >= 1, Bp)
+    # s' = fl_st(s), s <= S (1 + B): an fp16 row sum of a long flat row is inf (torch: -inf outputs)
+    Bp = _inf_where((Bp >= 1) | _overflows(r.S * (1 + r.B), (st,)), Bp)
     D = -torch.log1p(-Bp)
     Lmag = r.L + D
     clog = 2.0 * log_ulps * u
     log_term = clog * Lmag
     rho = half_ulp(Lmag * (1 + clog), st) if st_rounds else torch.zeros_like(Lmag)
-    lin = (om * h + (r.Hbar - y * h).clamp(min=0) + cu * r.ysum + r.theta * r.se + ust + log_term + rho)
+    lin = (om * r.tau + (r.Hbar - y * h).clamp(min=0) + cu * r.ysum + r.theta * r.se + ust + log_term + rho)
     rem = r.Rbar + r.eta_e + r.eta_sum + r.B * ust + (D - Bp)
     if mode == "probabilistic":
-        q2 = (om ** 2 * h * h + (r.qh2 - y * y * h * h).clamp(min=0) + cu * cu * r.qy2
+        q2 = (om ** 2 * r.tau ** 2 + (r.qh2 - y * y * h * h).clamp(min=0) + cu * cu * r.qy2
               + ((1 + r.theta) * r.sigma * r.se) ** 2 + ust ** 2 + log_term ** 2 + rho ** 2)
         lin = torch.minimum(lin, lam * torch.sqrt(q2))
     err = lin + rem
     err = _inf_where(~torch.isfinite(Bp), err).expand_as(h)
     mag = r.L - r.a
-    fin = half_ulp(mag + err, c)
+    fin = half_ulp_to_max(mag + err, c)
     tot = err + fin
-    tot = tot + output_rounding(mag + tot, c, out)
+    if not conversion_exact(c, out):
+        tot = tot + half_ulp_to_max(mag + tot, out)
     tot = torch.where(r.masked, torch.zeros_like(tot), tot)
     return _inf_where(~r.valid.expand_as(tot), tot), mag
 
@@ -347,9 +402,66 @@ def _assumptions(prec: Precision, summ: Summation, exp_ulps: float, mode: str, e
     return tuple(a)
 
 
+def torch_cpu_exp_stored(shape: tuple[int, ...], dim: int, storage: FloatFormat, *, threads: int | None = None,
+                         layout: TorchCPULayout | None = None) -> torch.Tensor:
+    """Which softmax rows of torch's CPU kernel over a non-last ``dim`` store ``exp(x - m)`` in
+    the storage dtype before dividing (module docstring, "Kernel paths"): a bool tensor of the
+    shape of the input without ``dim`` (the rows' order of ``x.movedim(dim, -1)``).
+
+    ATen ``_vec_softmax`` (``SoftMaxKernel.cpp``, bf16/fp16): ``parallel_for(0, outer * inner,
+    0, ...)`` splits the ``outer * inner`` columns into ``threads`` contiguous ranges of
+    ``ceil(outer * inner / threads)`` (one range with one thread); each range walks its
+    columns in steps of ``V = Vectorized<scalar_t>::size()`` (16 with 32-byte vectors, 32 with
+    AVX512) inside one row of ``inner`` columns; the columns left over at the end of a row
+    segment (fewer than ``V`` before the row's or the range's end) take the scalar tail, which
+    stores ``scalar_t(exp(x - m))`` and divides that. ``threads`` defaults to
+    ``torch.get_num_threads()`` (the range split depends on it), ``layout`` to the running
+    build's vector width."""
+    dim = dim % len(shape)
+    outer, inner = math.prod(shape[:dim]), math.prod(shape[dim + 1:])
+    total = outer * inner
+    V = (layout or default_layout()).vec_elems(storage)
+    T = threads if threads is not None else torch.get_num_threads()
+    if isinstance(T, bool) or not isinstance(T, int) or T < 1:
+        raise ValueError(f"threads must be a positive int, not {threads!r}")
+    chunk = max(-(-total // T) if T > 1 and total > 1 else total, 1)
+    p = torch.arange(total, dtype=torch.int64)
+    begin = p // chunk * chunk
+    end = (begin + chunk).clamp(max=total)
+    row = p // inner * inner
+    i0 = torch.maximum(row, begin)
+    i1 = torch.minimum(row + inner, end)
+    scalar = (p - i0) >= V * ((i1 - i0) // V)
+    return scalar.reshape(tuple(shape[:dim]) + tuple(shape[dim + 1:]))
+
+
+def _stored_rows(x: torch.Tensor, dim: int, prec: Precision, kernel: str, threads: int | None,
+                 layout: TorchCPULayout | None) -> torch.Tensor | None:
+    """``(rows, 1)`` bool mask of the rows whose exps are stored in the storage format, or None."""
+    if kernel not in ("torch_cpu", "fused"):
+        raise ValueError(f"kernel must be 'torch_cpu' or 'fused', not {kernel!r}")
+    if kernel == "fused" or x.dim() < 2 or dim == x.dim() - 1 or conversion_exact(prec.compute, prec.storage):
+        return None
+    return torch_cpu_exp_stored(tuple(x.shape), dim, prec.storage, threads=threads, layout=layout).reshape(-1, 1)
+
+
+def _scalars(r: _Rows) -> tuple[int, float, float, float]:
+    """The per-call constants of the row statistics (kept per chunk instead of the rows)."""
+    return r.n, r.theta, r.sigma, r.cu
+
+
+def _by_rows(x: torch.Tensor, dim: int, fn) -> tuple[torch.Tensor, torch.Tensor, list]:
+    """:func:`.norms.map_row_chunks` over the rows of ``x.movedim(dim, -1)``; the two results
+    back in ``x``'s layout."""
+    xm = x.detach().movedim(dim, -1)
+    b, m, extras = map_row_chunks(xm.reshape(-1, xm.shape[-1]), fn)
+    return b.reshape(xm.shape).movedim(-1, dim), m.reshape(xm.shape).movedim(-1, dim), extras
+
+
 @register("softmax")
 def softmax(x: torch.Tensor, dim: int = -1, *, fmt=None, compute_fmt=None, out_fmt=None,
             summation: Summation | None = None, division: str = "reciprocal", exp_ulps: float = 1.0,
+            kernel: str = "torch_cpu", threads: int | None = None, layout: TorchCPULayout | None = None,
             mode: str = "deterministic", failure_probability: float | None = None) -> Bound:
     """Elementwise bound on ``|softmax_hat(x) - softmax(x)|`` along ``dim`` (module docstring).
 
@@ -357,24 +469,45 @@ def softmax(x: torch.Tensor, dim: int = -1, *, fmt=None, compute_fmt=None, out_f
         summation: the denominator's summation model (default recursive in the compute format).
         division: ``"reciprocal"`` (``e * fl(1/s)``, torch CPU) or ``"divide"`` (``fl(e / s)``).
         exp_ulps: accuracy of the compute format's exp in ulps (default 1, SLEEF u10).
+        kernel: ``"torch_cpu"`` (default): over a non-last ``dim`` of a bf16/fp16 input the
+            rows that take ATen's scalar tail round ``e_j`` to the storage format before the
+            division (:func:`torch_cpu_exp_stored`, with ``threads`` and ``layout``);
+            ``"fused"``: ``e_j`` stays in the compute format (a GPU kernel).
     """
+    dim = check_dim(x, dim)
     prec, summ, ms = _common_args(x, fmt, compute_fmt, out_fmt, summation, mode, failure_probability)
     ur = _division_u(division, prec.compute)
     lam = _lambdas(ms.mode, ms.failure_probability, 2)
-    x64 = f64(x).movedim(dim, -1)
-    r = _row_stats(x64, prec.compute, summ, exp_ulps, ms.mode, lam)
-    bound = _softmax_rows(r, prec.compute, prec.out, ur, ms.mode, lam).movedim(-1, dim)
-    values = {"n": r.n, "theta": r.theta, "sigma": r.sigma, "c_exp*u": r.cu, "u_r": ur,
-              "max_B": float(r.B[torch.isfinite(r.B)].max()) if torch.isfinite(r.B).any() else math.inf}
+    stored = _stored_rows(x, dim, prec, kernel, threads, layout)
+
+    def rows_fn(x64: torch.Tensor, sl: slice):
+        r = _row_stats(x64, prec.compute, summ, exp_ulps, ms.mode, lam)
+        b = _softmax_rows(r, prec.compute, prec.out, ur, ms.mode, lam,
+                          None if stored is None else stored[sl], prec.storage)
+        fin = torch.isfinite(r.B)
+        return b, r.y, _scalars(r) + (float(r.B[fin].max()) if bool(fin.any()) else -math.inf,)
+
+    bound, mag, ex = _by_rows(x.reshape(1) if x.dim() == 0 else x, dim, rows_fn)
+    n, th, sig, cu = ex[-1][:4]
+    max_b = max(e[4] for e in ex)
+    values = {"n": n, "theta": th, "sigma": sig, "c_exp*u": cu, "u_r": ur,
+              "max_B": max_b if max_b > -math.inf else math.inf,
+              "kernel": kernel, "rows with exp stored in the storage format":
+                  0 if stored is None else int(stored.sum())}
     if ms.mode == "probabilistic":
         values["lambda"] = lam
+    if x.dim() == 0:
+        bound, mag = bound.reshape(()), mag.reshape(())
     return Bound(abs=bound, mode=ms.mode, failure_probability=ms.failure_probability,
-                 magnitude=r.y.movedim(-1, dim),
+                 magnitude=mag,
                  explanation=Explanation(
                      op="softmax",
-                     formula="|err_i| <= [y_i N_i + eta_i(1+u_r) + y_i eta_e]/(1-B) + half_ulp_c(.) + half_ulp_out(.), "
+                     formula="|err_i| <= [y_i N_i + eta_i(1+u_r) + y_i eta_e]/(1-B) [+ half_ulp_st(e_i)(1+u_r)/(S(1-B)) "
+                             "where e_i is stored] + half_ulp_c(.) + half_ulp_out(.), "
                              "N_i = (1-y_i)A_i + sum_{j!=i} y_j A_j + theta(1+Abar+eta_e) + eta_sum + u_r(1+A_i)",
-                     source=SOURCE, assumptions=_assumptions(prec, summ, exp_ulps, ms.mode, (f"division: {division}",)),
+                     source=SOURCE + "; torch aten/src/ATen/native/cpu/SoftMaxKernel.cpp (_vec_softmax)",
+                     assumptions=_assumptions(prec, summ, exp_ulps, ms.mode, (f"division: {division}",
+                                                                              f"kernel paths: {kernel}")),
                      values=values))
 
 
@@ -393,17 +526,28 @@ def log_softmax(x: torch.Tensor, dim: int = -1, *, fmt=None, compute_fmt=None, o
 
     ``stats_fmt``: format the row sum and its log are stored in between the passes
     (default: the storage format, as torch CPU; a GPU kernel keeps the compute format).
+    torch CPU's kernel over a non-last dim keeps its intermediates in the compute format
+    (measured: no extra rounding, module docstring "Kernel paths").
     """
+    dim = check_dim(x, dim)
     prec, summ, ms = _common_args(x, fmt, compute_fmt, out_fmt, summation, mode, failure_probability)
     st = get_format(stats_fmt) if stats_fmt is not None else prec.storage
     lam = _lambdas(ms.mode, ms.failure_probability, 2)
-    b, mag, r = _log_softmax_core(f64(x).movedim(dim, -1), prec, summ, st, exp_ulps, log_ulps, ms.mode, lam)
-    values = {"n": r.n, "theta": r.theta, "sigma": r.sigma, "c_exp*u": r.cu, "c_log*u": 2 * log_ulps * prec.compute.u,
+
+    def rows_fn(x64: torch.Tensor, sl: slice):
+        b, mag, r = _log_softmax_core(x64, prec, summ, st, exp_ulps, log_ulps, ms.mode, lam)
+        return b, mag, _scalars(r)
+
+    b, mag, ex = _by_rows(x.reshape(1) if x.dim() == 0 else x, dim, rows_fn)
+    n, th, sig, cu = ex[-1]
+    values = {"n": n, "theta": th, "sigma": sig, "c_exp*u": cu, "c_log*u": 2 * log_ulps * prec.compute.u,
               "stats_fmt": str(st)}
     if ms.mode == "probabilistic":
         values["lambda"] = lam
-    return Bound(abs=b.movedim(-1, dim), mode=ms.mode, failure_probability=ms.failure_probability,
-                 magnitude=mag.movedim(-1, dim),
+    if x.dim() == 0:
+        b, mag = b.reshape(()), mag.reshape(())
+    return Bound(abs=b, mode=ms.mode, failure_probability=ms.failure_probability,
+                 magnitude=mag,
                  explanation=Explanation(
                      op="log_softmax",
                      formula="|err_i| <= (1-y_i)h_i + sum_{j!=i} y_j h_j + c_exp u + theta(1+Abar+eta_e) + u_st + "
@@ -466,6 +610,9 @@ def _reduce(vals_mag: torch.Tensor, vals_err: torch.Tensor, depths: Depths, mode
     coef, eta = accumulation_terms(depths, {f: k * n for f, k in depths.items()}, mode, lam)
     S = (vals_mag + vals_err).sum()
     err = vals_err.sum() + coef * S + eta
+    # every partial sum of the (non-negative) computed values is at most (1 + theta) S: one held
+    # in a format it may overflow (the fp16 cascade of a long batch) makes the result inf
+    err = _inf_where(_overflows(S * (1 + theta(depths)), depths), err)
     return vals_mag.sum(), err
 
 
@@ -477,15 +624,48 @@ def _scale(mag: torch.Tensor, err: torch.Tensor, const: float, prec: Precision) 
     pm = (abs(const) + dc) * (mag + err)
     e = e + half_ulp(pm, prec.compute)
     e = e + output_rounding(pm + half_ulp(pm, prec.compute), prec.compute, prec.out)
+    e = _inf_where(_overflows(pm + e, (prec.compute, prec.out)), e)
     return abs(const) * mag, e
 
 
 def _add(m1, e1, m2, e2, prec: Precision):
     e = e1 + e2
     s = m1 + m2 + e
+    e = _inf_where(_overflows(s, (prec.compute, prec.out)), e)
     e = e + half_ulp(s, prec.compute)
     e = e + output_rounding(s + half_ulp(s, prec.compute), prec.compute, prec.out)
     return m1 + m2, e
+
+
+def _check_cross_entropy(logits: torch.Tensor, target: torch.Tensor, reduction: str, label_smoothing: float,
+                         ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """Validated ``(target as int64, non-ignored mask, label_smoothing)``; a ``ValueError`` naming
+    the argument for what torch would refuse (or what the bound does not model)."""
+    if reduction not in ("none", "mean", "sum"):
+        raise ValueError(f"reduction must be 'none', 'mean' or 'sum', not {reduction!r}")
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 2:
+        raise ValueError("cross_entropy bound expects logits of shape (N, C), got "
+                         f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__}")
+    N, C = logits.shape
+    if not isinstance(target, torch.Tensor) or target.is_floating_point() or target.is_complex():
+        raise ValueError("target must be a tensor of class indices (an integer dtype) of shape (N,); "
+                         "class-probability targets are not modelled")
+    if tuple(target.shape) != (N,):
+        raise ValueError(f"target must have shape (N,) = ({N},) for logits of shape {tuple(logits.shape)}, "
+                         f"got {tuple(target.shape)}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    tgt = target.to(torch.int64)
+    keep = tgt != ignore_index
+    bad = keep & ((tgt < 0) | (tgt >= C))
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0])
+        raise ValueError(f"target[{i}] = {int(tgt[i])} is not a class index in [0, {C}) (nor ignore_index="
+                         f"{ignore_index}); pass class indices of the {C} classes")
+    eps = float(label_smoothing)
+    if not 0.0 <= eps <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
+    return tgt, keep, eps
 
 
 @register("cross_entropy")
@@ -496,17 +676,11 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, reduction: str 
                   failure_probability: float | None = None) -> Bound:
     """Bound on ``|F.cross_entropy(logits, target) - exact|`` (logits ``(N, C)``, class-index
     targets, no weights) for torch's CPU computation (module docstring)."""
-    if reduction not in ("none", "mean", "sum"):
-        raise ValueError(f"reduction must be 'none', 'mean' or 'sum', not {reduction!r}")
-    if logits.dim() != 2:
-        raise ValueError("cross_entropy bound expects logits of shape (N, C)")
+    tgt, keep, eps = _check_cross_entropy(logits, target, reduction, label_smoothing, ignore_index)
     prec, summ, ms = _common_args(logits, fmt, compute_fmt, out_fmt, summation, mode, failure_probability)
     st = get_format(stats_fmt) if stats_fmt is not None else prec.storage
     N, C = logits.shape
-    tgt = target.reshape(-1).to(torch.int64)
-    keep = tgt != ignore_index
     rows = [int(i) for i in torch.nonzero(keep).flatten()]
-    eps = float(label_smoothing)
     # probabilistic events behind one output (union bound): per row, its elements' claims,
     # its beta event and, with smoothing, the class sum; plus one per reduction over rows.
     per_row = (C if eps else 1) + 1 + (1 if eps else 0)
@@ -542,6 +716,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, *, reduction: str 
         sm_sum, _ = sum_error_bound((mag + b).sum(-1), mag.sum(-1) + lp_err, C, Summation(accum=prec.compute),
                                     prec.out, ms.mode, lam)
         sm_e = torch.where(keep, lp_err + sm_sum, zero)
+        # fl_out of the class sum: inf where it may exceed the output format (fp16, a long flat row)
+        sm_e = _inf_where(keep & _overflows(mag.sum(-1) + sm_e, (prec.out,)), sm_e)
         sm_e = torch.where(keep & r.masked.any(-1), torch.full_like(sm_e, math.inf), sm_e)
         sm_m = torch.where(keep, mag.sum(-1), zero)
         rd = reduction != "none"
