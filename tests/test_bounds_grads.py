@@ -58,6 +58,7 @@ def _heavy(shape, g: torch.Generator) -> torch.Tensor:
 
 
 # ============================================================================ model checks
+@pytest.mark.cpu_dispatch("avx2")  # bit-exact emulations of ATen's vectorised backward kernels
 @pytest.mark.parametrize("fmt", ["bf16", "fp16"])
 def test_torch_computes_in_fp32_and_rounds_once(fmt):
     """The stated models for bf16/fp16 (fp32 opmath, one final rounding; layer norm's saved

@@ -81,8 +81,10 @@ and every rounding of the tree can do it, additions included (the exact sum of t
 can be subnormal): ``eta = sum_f r_f min_normal_f`` with ``r_f`` all roundings per format
 (:meth:`Summation.roundings`: ``n`` products, ``n - k`` additions, the partials' conversions
 and additions), i.e. ``(2n - k) min_normal(accum)`` for ``k`` parts in one format. The result
-rounded to ``o`` may be flushed where ``t = |y| + acc < min_normal_o``: error ``<= t``
-(:func:`output_rounding` takes ``max(t, half_ulp_o(t))`` there). Inputs read as zero (DAZ)
+rounded to ``o`` may be flushed where it may be below ``min_normal_o`` (``|y|_lower - acc <
+min_normal_o``; everywhere without a lower bound on ``|y|``): error ``<= min(t, min_normal_o)``,
+``t = |y| + acc`` (:func:`output_rounding` takes the larger of that and ``half_ulp_o(t)``
+there). Inputs read as zero (DAZ)
 are the caller's term (the matmul adds ``|A_sub| |B| + |A| |B_sub|``, the products with a
 subnormal operand). These terms matter only for results within a few ``n min_normal`` of 0
 (``n 2^-126`` for fp32 accumulation, ``6.1e-5`` for fp16 outputs): bf16/fp16 tightness on
