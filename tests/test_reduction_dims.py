@@ -59,13 +59,16 @@ def test_bound_has_torchs_shape_and_holds_for_every_dim(op, kind, fmt):
             assert (err <= b.abs).all(), (dim, keepdim, float((err / b.abs).max()))
 
 
+@pytest.mark.parametrize("mode", ["deterministic", "probabilistic", "statistical"])
 @pytest.mark.parametrize("op", ["sum", "mean"])
-def test_default_is_torchs_every_dim(op):
+def test_default_is_torchs_every_dim(op, mode):
     x = torch.randn(8, 16, 4, generator=torch.Generator().manual_seed(1)).bfloat16()
-    b = tn.tolerance(op, x)
+    b = tn.tolerance(op, x, mode=mode)
     assert b.abs.shape == getattr(torch, op)(x).shape == ()
-    assert torch.equal(b.abs, tn.tolerance(op, x, dim=(0, 1, 2)).abs)
-    assert torch.equal(b.abs, tn.tolerance(op, x.flatten(), dim=0).abs)  # one sum of all 512 terms
+    assert torch.equal(b.abs, tn.tolerance(op, x, dim=(0, 1, 2), mode=mode).abs)
+    assert torch.equal(b.abs, tn.tolerance(op, x.flatten(), dim=0, mode=mode).abs)  # one sum of all 512 terms
+    c = torch.ones(8, 16).bfloat16()  # repeated addends: the probabilistic modes' validity check, same shape
+    assert tn.tolerance(op, c, mode=mode).abs.shape == ()
 
 
 def test_a_scalar_and_an_empty_reduction():

@@ -366,11 +366,11 @@ def _linear_entry(x, weight, bias=None, *, prec, summation=None) -> Statistics:
     return _matmul(x, weight.transpose(-1, -2), bias, prec, summation)
 
 
-def _sum_entry(x, dim=-1, keepdim=False, *, prec, summation=None) -> Statistics:
+def _sum_entry(x, dim=None, keepdim=False, *, prec, summation=None) -> Statistics:
     return _sum("sum", x, dim, keepdim, prec, summation)
 
 
-def _mean_entry(x, dim=-1, keepdim=False, *, prec, summation=None) -> Statistics:
+def _mean_entry(x, dim=None, keepdim=False, *, prec, summation=None) -> Statistics:
     return _sum("mean", x, dim, keepdim, prec, summation)
 
 

@@ -249,7 +249,7 @@ def check(op: str, inputs: tuple, prec: Precision, op_kwargs: dict[str, Any], ex
         bias = inputs[2] if len(inputs) > 2 else kw.get("bias")
         return _matmul(inputs[0], inputs[1].transpose(-1, -2), bias, prec, kw.get("summation"))
     if op in ("sum", "mean"):
-        dim = inputs[1] if len(inputs) > 1 else kw.get("dim", -1)
+        dim = inputs[1] if len(inputs) > 1 else kw.get("dim")  # torch's default: every dim
         return _sum(op, inputs[0], dim, bool(kw.get("keepdim", False)), prec, kw.get("summation"))
     if op in ("softmax", "log_softmax"):
         dim = inputs[1] if len(inputs) > 1 else kw.get("dim", -1)
