@@ -155,6 +155,64 @@ give NaN in torch and in exact arithmetic; their bound is ``inf`` (no finite cla
 compare NaN as equal). Cross entropy with a masked target, or with label smoothing over a
 row with masked entries, is ``+inf``: bound ``inf``.
 
+Entries whose exp is exactly 0 (additive masks: ``-1e9``, ``finfo.min``)
+----------------------------------------------------------------------
+Assumption: the compute format's exp returns exactly 0 below ``T_c = log(min_subnormal_c) - 1``
+(exact result below ``min_subnormal / e``, under half the smallest subnormal: a correctly
+rounded exp gives 0; SLEEF ``expf_u10`` returns 0 below -104, glibc ``expf`` below -103.97, both
+above fp32's ``T = -104.28``). If ``a_j + tau_j < T_c`` (every value ``t_j`` the shift can
+produce is below it), or ``a_j <= -max_c`` (``t_j`` is ``-max_c`` or ``-inf``), then ``e_j = 0``
+in every computation of the model: write ``e_j = E_j (1 + alpha_j) + eta_j`` with
+``alpha_j = 0`` and ``eta_j = -E_j``, ``|eta_j| = E_j < min_subnormal_c / e``, inside the
+underflow allowance ``eta_j`` that such an entry already has. So ``A_j = R_j = 0`` and
+``h_j = 0`` in every sum over ``j`` (``tau_j`` of up to ``half_ulp(1e9)`` would otherwise enter
+``A_j = e^{tau_j} - 1``: ``inf`` for ``finfo.min``, and ``0 * inf`` made every output of the row
+``inf``). The entry's own softmax output is computed as exactly 0 through every later
+rounding, so its error is ``y_j`` itself (bound ``min(bound, y_j)``); its log_softmax output
+keeps ``tau_j`` (the shift's rounding is in ``t_j - L``). The last roundings use
+:func:`half_ulp_to_max`: a value between ``max`` and the overflow threshold ``max +
+half_ulp(max)`` rounds to ``max`` (an fp16 ``-65504`` mask minus ``L``), not to ``inf``.
+Limitation: fp32 log_softmax at a ``finfo.min`` entry stays ``inf`` (the magnitude bound
+``|a_i - L| + tau_i`` crosses fp32's overflow threshold although the computed ``t_i`` is at most
+``max``).
+
+Overflow to ``inf`` (:func:`.summation.overflow_possible`)
+----------------------------------------------------------
+Every partial sum of the row sum is at most ``(1 + theta) S (1 + Abar + eta_e)``: where that may
+exceed the maximum of a format the tree holds it in, ``B = inf``. log_softmax's stored row sum
+``s' = fl_st(s)``, ``s <= S (1 + B)``: a flat fp16 row of more than 65504 entries makes ``s'``
+``inf`` and torch returns ``-inf``: ``B' = inf`` there. Cross entropy: the partial sums of the
+``nll`` cascade (and of the label-smoothing reduction) are at most ``(1 + theta) sum_n (|l_n| +
+b_n)`` (non-negative terms), the class sum ``fl_out(sum_j lp_nj)`` at most ``sum_j |lp_nj| +
+b``, the scaled and added components at most their magnitude plus error: ``inf`` where any of
+them may exceed the format it is held in.
+
+Kernel paths (torch CPU, ``kernel="torch_cpu"``)
+------------------------------------------------
+Over the last dim torch CPU runs the model above. Over another dim (ATen ``_vec_softmax``,
+``aten/src/ATen/native/cpu/SoftMaxKernel.cpp``, torch 2.13), bf16/fp16: the ``outer * inner``
+columns are split by ``parallel_for(0, outer*inner, 0)`` into ``threads`` ranges of
+``ceil(outer*inner / threads)`` columns; a range is walked in blocks of ``V`` columns
+(``Vectorized<scalar_t>::size()``: 16 with 32-byte vectors, AVX2 and the default dispatch
+alike, 32 with AVX512) inside each row of ``inner`` columns, and the fewer-than-``V`` columns left
+before the end of a row or of the range take a scalar tail: ``e = exp(x - m)`` (fp32) is summed
+(fp32, unrounded) but *stored in the storage dtype* and divided after: ``y = fl_st(fl_c(fl_st(e)
+/ s))`` (:func:`torch_cpu_exp_stored` gives those rows; measured on this machine with 1, 2 and
+3 threads: it predicts exactly where torch differs from the one-rounding model, 0.6-25% of the
+elements on the shapes of the tests). With ``e'_i = e_i + rho_i``, ``|rho_i| <= half_ulp_st(e_i)``
+and ``s`` unchanged, ``p'_i - y_i = (p_i - y_i) + rho_i (1 + delta_r) / s`` and ``|s| >= S (1 - B)``,
+so the bound of such a row gains ``half_ulp_st(E_i (1 + A_i) + eta_i) (1 + u_r) / (S (1 - B))``
+(about half an ulp of ``y_i`` in the storage format: the measured error reaches 0.9998 of the
+bound there). fp32 stores ``e`` in fp32 (no extra rounding); log_softmax over a non-last dim
+keeps fp32 throughout (measured: the unchanged bound holds, largest error/bound 0.93).
+``kernel="fused"`` drops the extra rounding (GPU kernels). The vectorised path divides (``u_r
+= 0`` would do; the default reciprocal model is kept, a few percent looser).
+
+Rows are processed in chunks of :data:`.norms.CHUNK_ELEMENTS` elements (the float64 working
+set of ~20 arrays per chunk), and every row statistic is a sequential per-row sum (``cumsum``):
+the bound is bitwise that of one pass, in memory bounded by the two float64 results plus a
+constant.
+
 Source: Blanchard, Higham & Mary, "Accurate computation of the log-sum-exp and softmax
 functions", IMA J. Numer. Anal. 41(4), 2021, §2-3 (shifted algorithm, error analysis of
 softmax and log-sum-exp); Higham, Accuracy and Stability of Numerical Algorithms (2002),
