@@ -13,11 +13,11 @@ N = int(sys.argv[1]) if len(sys.argv) > 1 else 1000
 op = "quantized_matmul"
 s = Setup(get_format("e4m3"), get_format("fp32"), scaling.get_recipe("tensor"), get_format("fp32"))
 shapes = op_shapes(op, s, None)
-for dists in (("normal",), ("normal", "activations")):
+for dists in [tuple(sys.argv[2].split(","))] if len(sys.argv) > 2 else (("normal",), ("normal", "activations")):
     cal = C.calibrate("e4m3", [op], seed=0, distributions=dists)
     e = cal.ops[op]
     print(f"fit on {dists}: kappa={e.kappa:.4g} per-dist={ {k: round(v['kappa'], 4) for k, v in e.per_distribution.items()} }", flush=True)
-    for d in ("normal", "activations", "heavy", "lognormal"):
+    for d in (sys.argv[3].split(",") if len(sys.argv) > 3 else ("normal", "activations", "heavy", "lognormal")):
         g = torch.Generator().manual_seed(777)
         viol = warned = viol_silent = 0
         for j in range(N):

@@ -18,7 +18,8 @@ from ttrace_num import calibrate as C
 
 @pytest.fixture(scope="module")
 def cal():
-    return C.calibrate("e4m3", ["softmax", "gelu"], samples=120, p=0.05, seed=0, distributions=("normal", "activations"))
+    return C.calibrate("e4m3", ["softmax", "gelu", "matmul"], samples=120, p=0.05, seed=0,
+                       distributions=("normal", "activations"))
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +44,9 @@ def test_kappa_covers_each_distribution_and_the_file_keeps_the_domain(cal, tmp_p
     assert e.domain["units"] == [[64]]
     lo, hi = e.domain["row_peak_to_rms"][0]
     assert 1 <= lo < 3 < hi <= 8.0 + 1e-9  # sqrt(64) = 8: at most one large value per row
+    assert e.domain["row_rms_ratio"] == [None]  # one row per instance: no spread measured
+    lo, hi = cal.ops["matmul"].domain["row_rms_ratio"][0]  # 4 rows of a per instance; b is a weight
+    assert 0 < lo < 1 < hi <= 4 ** 0.5 + 1e-9 and cal.ops["matmul"].domain["row_rms_ratio"][1] is None
     path = tmp_path / "c.json"
     cal.save(path)
     assert json.loads(path.read_text())["schema_version"] == C.SCHEMA_VERSION == 2
@@ -55,6 +59,9 @@ def test_inside_the_domain_no_warning(cal):
         warnings.simplefilter("error", C.CalibrationDomainWarning)
         _apply(cal, "softmax", x)
         _apply(cal, "gelu", _e4m3(torch.randn(4, 1000)))  # elementwise: the row length is no part of the domain
+        a = _e4m3(torch.randn(32, 1024, generator=torch.Generator().manual_seed(5))).double()
+        tn.tolerance("matmul", a, _e4m3(torch.randn(1024, 4)).double(), fmt="e4m3", mode="probabilistic",
+                     calibration=cal, out_fmt="fp32")
 
 
 def test_another_row_length_warns(cal):
@@ -67,5 +74,16 @@ def test_heavier_tailed_data_than_calibrated_warn(cal_normal):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(32, 64, generator=g, dtype=torch.float64) * torch.exp(2 * torch.randn(32, 64, generator=g))
     x = _e4m3(x / x.abs().max() * 400)  # log-normal-scaled, in e4m3's range
-    with pytest.warns(C.CalibrationDomainWarning, match=r"peak-to-RMS ratio outside .* heavier-tailed .*\(normal\)"):
+    with pytest.warns(C.CalibrationDomainWarning, match=r"outside the calibrated range .* not distributed like those calibrated \(normal\)"):
         _apply(cal_normal, "softmax", x)
+
+
+def test_rows_of_spread_scales_warn_even_where_each_row_looks_calibrated(cal):
+    """Log-normal row scales (each row normal): the rows' tail weight is like the calibrated
+    one, their scales spread far more than in any calibrated instance."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(32, 1024, generator=g, dtype=torch.float64) * torch.exp(2 * torch.randn(32, 1, generator=g))
+    a = _e4m3(x / x.abs().max() * 400).double()
+    with pytest.warns(C.CalibrationDomainWarning, match=r"RMS relative to the tensor's .* outside the calibrated range"):
+        tn.tolerance("matmul", a, _e4m3(torch.randn(1024, 4)).double(), fmt="e4m3", mode="probabilistic",
+                     calibration=cal, out_fmt="fp32")

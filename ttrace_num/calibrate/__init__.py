@@ -64,7 +64,7 @@ from .ops import (ALL_OPS, QUANT_OPS, SPECS, CalibrationError, Setup, Shape, Sup
 from .plots import plot
 
 __all__ = ["SCHEMA_VERSION", "ALL_OPS", "CalibrationError", "CalibrationDomainWarning", "OpCalibration", "Calibration",
-           "calibrate", "domain_problems", "row_peak_to_rms", "DISTRIBUTIONS",
+           "calibrate", "domain_problems", "row_peak_to_rms", "row_rms_ratio", "ROW_STATISTICS", "DISTRIBUTIONS",
            "kappa_upper_bound", "min_samples", "heldout_check", "load", "apply_calibration", "plot",
            "same_format"]
 
@@ -130,8 +130,8 @@ class OpCalibration:
     per_distribution: dict[str, dict[str, float]] = field(default_factory=dict)
     #: where the claim was measured: per tensor argument, ``units`` (the trailing dims one
     #: instance's rows have: the reduction length, a row, an attention head; None for a weight)
-    #: and ``row_peak_to_rms`` (the ``[min, max]`` of :func:`row_peak_to_rms` over every
-    #: calibrated row; None for a weight). :func:`apply_calibration` warns outside it.
+    #: and per row statistic of :data:`ROW_STATISTICS` the ``[min, max]`` over every calibrated
+    #: row (None for a weight). :func:`apply_calibration` warns outside it.
     domain: dict[str, list] = field(default_factory=dict)
 
     @property
@@ -276,29 +276,56 @@ def row_peak_to_rms(t: torch.Tensor) -> torch.Tensor:
     return rows[keep].abs().amax(-1) / rms[keep]
 
 
+def row_rms_ratio(t: torch.Tensor, instances: int = 1) -> torch.Tensor:
+    """``rms(row) / rms(instance)`` of every row (last dim) of ``t``, ``t`` holding
+    ``instances`` instances stacked on its leading dim (1: ``t`` is one instance), in float64:
+    how far the rows' scales spread within an instance (``~1 +- 0.1`` for i.i.d. normal rows of
+    128; a log-normal-scaled tensor has rows ``100x`` below its RMS). Rows of an all-zero
+    instance are left out; instances of one row give nothing (the range is then None and
+    not checked)."""
+    rows = t.detach().to(torch.float64).reshape(instances, -1, t.shape[-1] if t.dim() else 1)
+    if rows.shape[1] < 2:  # one row per instance: no spread to measure
+        return rows.new_empty(0)
+    ms = rows.square().mean(-1)
+    ratio = (ms / ms.mean(-1, keepdim=True)).sqrt()
+    return ratio[torch.isfinite(ratio)]
+
+
+#: the row statistics a calibration records the range of (its domain), by name:
+#: ``stat(tensor, instances stacked on its leading dim) -> one value per row``
+ROW_STATISTICS: dict[str, Callable[[torch.Tensor, int], torch.Tensor]] = {
+    "row_peak_to_rms": lambda t, instances: row_peak_to_rms(t),
+    "row_rms_ratio": row_rms_ratio,
+}
+
+
 def _draw_instances(op: str, s: Setup, n: int, shapes: list[Shape], src: Source, g: torch.Generator,
                     progress: Callable[[int], None]
-                    ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[float, float] | None]]:
+                    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, list[tuple[float, float] | None]]]:
     """Per-instance and elementwise ratios of ``n`` instances drawn from ``src``, and per
-    tensor argument the range ``(min, max)`` of :func:`row_peak_to_rms` over the instances'
-    rows (None for a weight argument, the same tensor in every instance)."""
+    row statistic (:data:`ROW_STATISTICS`) per tensor argument the range ``(min, max)`` over
+    the instances' rows (None for a weight argument, the same tensor in every instance)."""
     spec = SPECS[op]
     per_inst, elems = [], []
-    lo = [math.inf] * len(spec.args)
-    hi = [-math.inf] * len(spec.args)
+    lo = {k: [math.inf] * len(spec.args) for k in ROW_STATISTICS}
+    hi = {k: [-math.inf] * len(spec.args) for k in ROW_STATISTICS}
     step = 200 if spec.batched else 1
     for c0 in range(0, n, step):
         k = min(step, n - c0)
         xs = spec.prepare(_draw(op, shapes, src, k if spec.batched else None, g), s)
         for i, (x, u) in enumerate(zip(xs, spec.units)):
-            st = row_peak_to_rms(x) if u else None
-            if st is not None and st.numel():
-                lo[i], hi[i] = min(lo[i], float(st.min())), max(hi[i], float(st.max()))
+            if not u:
+                continue
+            for key, stat in ROW_STATISTICS.items():
+                st = stat(x, k if spec.batched else 1)
+                if st.numel():
+                    lo[key][i], hi[key][i] = min(lo[key][i], float(st.min())), max(hi[key][i], float(st.max()))
         pi, el = _ratios(op, s, xs)
         per_inst.append(pi)
         elems.append(el)
         progress(k)
-    ranges = [(a, b) if u and a <= b else None for a, b, u in zip(lo, hi, spec.units)]
+    ranges = {key: [(a, b) if u and a <= b else None for a, b, u in zip(lo[key], hi[key], spec.units)]
+              for key in ROW_STATISTICS}
     return torch.cat(per_inst), torch.cat(elems), ranges
 
 
@@ -427,10 +454,11 @@ def _calibrate(f: FloatFormat, c: FloatFormat, s: Setup, recipe: str | None, op_
         qs = {f"elem_q{q}": float(torch.quantile(elems_all[:1 << 24].float(), q)) for q in (0.5, 0.9, 0.99)}
         qs["elem_max"] = float(elems_all.max())
         spec = SPECS[op]
-        domain = {"units": [sh[len(sh) - u:] if u else None for sh, u in zip(inst_shapes, spec.units)],
-                  "row_peak_to_rms": [None if any(rg[i] is None for rg in ranges) else
-                                      [min(rg[i][0] for rg in ranges), max(rg[i][1] for rg in ranges)]
-                                      for i in range(len(spec.args))]}
+        domain: dict[str, list] = {"units": [sh[len(sh) - u:] if u else None for sh, u in zip(inst_shapes, spec.units)]}
+        for key in ROW_STATISTICS:  # the range over every source
+            domain[key] = [None if any(rg[key][i] is None for rg in ranges) else
+                           [min(rg[key][i][0] for rg in ranges), max(rg[key][i][1] for rg in ranges)]
+                           for i in range(len(spec.args))]
         results[op] = OpCalibration(
             op=op, kappa=kappa, kappa_point=max(d["kappa_point"] for d in per_source.values()), p=p,
             confidence=confidence, n_fit=sum(int(fit.numel()) for fit in fits), n_heldout=int(held_all.numel()),
@@ -459,12 +487,14 @@ def domain_problems(name: str, entry: OpCalibration, inputs: Sequence[torch.Tens
     not): a tensor argument whose rows/units (the trailing dims) differ from the calibrated
     ones (the ratio of error to analytic bound depends on the reduction length: the bound
     grows like ``sqrt(n)``, the observed error may not), or one with more than a fraction
-    ``p`` of rows whose :func:`row_peak_to_rms` lies outside the calibrated range (heavier- or
-    lighter-tailed data than calibrated: the claim was not measured there). A detector of a
+    ``p`` of rows whose :func:`row_peak_to_rms` or :func:`row_rms_ratio` (the whole tensor
+    taken as one instance) lies outside the calibrated range (heavier-tailed rows, or rows of
+    more spread scales, than calibrated: the claim was not measured there). A detector of a
     shift, not a proof of sameness: data inside the domain may still differ."""
     out = []
-    units, ranges = entry.domain.get("units", []), entry.domain.get("row_peak_to_rms", [])
-    for i, (t, u, rg) in enumerate(zip(inputs, units, ranges)):
+    what = {"row_peak_to_rms": "peak-to-RMS ratio (tail weight within a row)",
+            "row_rms_ratio": "RMS relative to the tensor's (spread of scales across rows)"}
+    for i, (t, u) in enumerate(zip(inputs, entry.domain.get("units", []))):
         if u is None or not isinstance(t, torch.Tensor):
             continue
         have = list(t.shape[max(0, t.dim() - len(u)):])
@@ -472,14 +502,14 @@ def domain_problems(name: str, entry: OpCalibration, inputs: Sequence[torch.Tens
             if name not in _LENGTH_FREE:
                 out.append(f"input {i} has units {have} (trailing dims), calibrated at {list(u)}")
             continue
-        if rg is not None:
-            st = row_peak_to_rms(t)
-            frac = float(((st < rg[0]) | (st > rg[1])).double().mean()) if st.numel() else 0.0
+        for key, stat in ROW_STATISTICS.items():
+            rg = entry.domain.get(key, [None] * (i + 1))[i]
+            st = stat(t, 1) if rg is not None else None
+            frac = float(((st < rg[0]) | (st > rg[1])).double().mean()) if st is not None and st.numel() else 0.0
             if frac > entry.p:
-                out.append(f"{100 * frac:.3g}% of input {i}'s rows have a peak-to-RMS ratio outside the calibrated "
-                           f"range [{rg[0]:.3g}, {rg[1]:.3g}] (more than p = {entry.p:g}): its values are "
-                           f"{'heavier' if float(st.median()) >= rg[0] else 'lighter'}-tailed than those calibrated "
-                           f"({', '.join(entry.distributions)})")
+                out.append(f"{100 * frac:.3g}% of input {i}'s rows have a {what[key]} outside the calibrated range "
+                           f"[{rg[0]:.3g}, {rg[1]:.3g}] (more than p = {entry.p:g}): its values are not distributed "
+                           f"like those calibrated ({', '.join(entry.distributions)})")
     return out
 
 
