@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import torch
 
+from ..bounds.norms import SumOps, torch_cpu_sum
 from ..bounds.summation import Summation, conversion_exact, products_exact
 from ..formats import FloatFormat, get_format, half_ulp
 from ..rounding import round_to
 
 __all__ = ["rel_round", "half_ulp_round", "worst_sum", "worst_matmul", "worst_softmax", "worst_log_softmax",
-           "worst_quantize"]
+           "worst_quantize", "worst_torch_cpu_sum", "worst_rms_norm", "worst_layer_norm"]
 
 
 def rel_round(t: torch.Tensor, fmt: FloatFormat, sign: float | torch.Tensor) -> torch.Tensor:
@@ -195,3 +196,116 @@ def worst_quantize(x: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor
     d = q * scale_inv
     d = torch.where(d == round_to(d, c), d, half_ulp_round(d, c, 1.0))
     return d if conversion_exact(c, out) else half_ulp_round(d, out, 1.0)
+
+
+class _WorstSumOps(SumOps):
+    """:func:`~ttrace_num.bounds.norms.torch_cpu_sum`'s schedule on float64 values, every
+    addition of two non-empty accumulators rounded by :func:`rel_round` (an addition to the
+    empty accumulator is exact, as in the tree height the bound counts)."""
+
+    def __init__(self, x: torch.Tensor, lanes: int, fmt: FloatFormat, sign: float, ilp: int = 4) -> None:
+        self.x, self.lanes, self.fmt, self.sign, self.ilp = x, lanes, fmt, sign, ilp
+
+    def block(self, i: int) -> torch.Tensor:
+        w = self.ilp * self.lanes
+        return self.x[..., i * w:(i + 1) * w].reshape(*self.x.shape[:-1], self.ilp, self.lanes)
+
+    def vector(self, k: int) -> torch.Tensor:
+        return self.x[..., k * self.lanes:(k + 1) * self.lanes]
+
+    def scalar(self, k: int) -> torch.Tensor:
+        return self.x[..., k]
+
+    def add(self, a, b):
+        if a is None or b is None:
+            return b if a is None else a
+        return rel_round(a + b, self.fmt, self.sign)
+
+    def part(self, a: torch.Tensor, k: int, axis: str) -> torch.Tensor:
+        return a[..., k, :] if axis == "stream" else a[..., k]
+
+
+def worst_torch_cpu_sum(x: torch.Tensor, lanes: int, fmt, sign: float = 1.0) -> torch.Tensor:
+    """ATen's CPU sum (:func:`~ttrace_num.bounds.norms.torch_cpu_sum`) of ``x`` (last dim) with
+    ``lanes`` lanes (1 below ``lanes`` values, as :func:`~ttrace_num.bounds.norms.rms_norm`),
+    every rounding at ``t (1 + sign u)``. A term at a leaf of depth ``h`` gets ``(1 + sign
+    u)^h``: the bound's tree height is attained by a row whose mass sits at a deepest leaf."""
+    x = x.to(torch.float64)
+    n = x.shape[-1]
+    total = torch_cpu_sum(n, lanes if n >= lanes else 1, _WorstSumOps(x, lanes if n >= lanes else 1,
+                                                                       get_format(fmt), sign))
+    return torch.zeros(x.shape[:-1], dtype=torch.float64) if total is None else total
+
+
+def _away(t: torch.Tensor, fmt: FloatFormat) -> torch.Tensor:
+    """``t`` rounded away from zero by ``half_ulp_fmt(t)`` (the half-ulp model's largest error)."""
+    return half_ulp_round(t, fmt, torch.sign(t))
+
+
+def _affine_worst(z: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                  c: FloatFormat, out: FloatFormat) -> torch.Tensor:
+    """``fl_out(fl_c(fl_c(z w) + b))`` with every rounding away from zero (``z``, ``z w`` and
+    ``z w + b`` of one sign: the errors add), the output's only when ``c -> out`` is inexact."""
+    t = z
+    if weight is not None:
+        t = _away(t * weight.to(torch.float64), c)
+    if bias is not None:
+        t = _away(t + bias.to(torch.float64), c)
+    return t if conversion_exact(c, out) else _away(t, out)
+
+
+def worst_rms_norm(x: torch.Tensor, weight: torch.Tensor | None = None, eps: float = 1e-6, *,
+                   summation: Summation | None = None, lanes: int = 8, compute_fmt="fp32", out_fmt=None,
+                   rsqrt_ulps: float = 1.5) -> torch.Tensor:
+    """``fl_o(fl(fl(x r^) w))``, ``r^ = RSQRT(fl(fl(fl(sum fl(x^2)) / n) + eps^))`` (the model of
+    :func:`ttrace_num.bounds.norms.rms_norm`, last dim), at its largest error: every square,
+    node of the sum (``summation``, or ATen's cascade with ``lanes`` lanes when ``None``) and
+    the division by ``n`` rounded *down* (``1 - u``), ``+ eps^`` down by ``half_ulp_c`` (so
+    ``W^`` is smallest and ``r^`` largest), ``RSQRT`` up by ``rsqrt_ulps u``, then ``x r^``,
+    ``* w`` and the output away from zero by half an ulp."""
+    c = get_format(compute_fmt)
+    out = get_format(out_fmt if out_fmt is not None else x.dtype)
+    x64 = x.to(torch.float64)
+    n = x64.shape[-1]
+    sq = x64 * x64
+    if not products_exact(get_format(x.dtype), c):
+        sq = rel_round(sq, c, -1.0)
+    s = worst_torch_cpu_sum(sq, lanes, c, -1.0) if summation is None else worst_sum(sq, summation, -1.0)
+    ms = rel_round(s / n, c, -1.0)[..., None]
+    w_hat = half_ulp_round(ms + float(round_to(torch.tensor(eps, dtype=torch.float64), c)), c, -1.0)
+    r = w_hat.rsqrt() * (1.0 + rsqrt_ulps * c.u)
+    return _affine_worst(_away(x64 * r, c), weight, None, c, out)
+
+
+def worst_layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                     eps: float = 1e-5, *, summation: Summation | None = None, compute_fmt="fp32",
+                     out_fmt=None) -> torch.Tensor:
+    """Per element ``i`` of each row (last dim; rows with a positive sum), the largest error of
+    the ``moments="two_pass"``, ``centering="subtract"`` model of
+    :func:`ttrace_num.bounds.norms.layer_norm`: ``mu^ = fl(fl(sum x)/n)`` with every node and
+    the division rounded *towards* ``x_i`` (``1 - sign(d_i) u``: ``|x_i - mu^|`` largest),
+    ``d^_i = fl(x_i - mu^)`` away from zero; the variance ``fl(fl(sum fl(d^_j^2))/n)`` with the
+    subtractions rounded towards zero and every square, node and the division down,
+    ``+ eps^`` down (``W^`` smallest), ``fl(1/fl(sqrt(W^)))`` up by ``(1+u)/(1-u)``; then
+    ``d^_i r^``, ``* w``, ``+ b`` and the output away from zero. The bound charges the
+    subtraction of element ``i`` independently in the variance (``2 |d_i| rho_i``) and in the
+    output (``dd_i``), so the emulation rounds them independently (one row per element, as
+    :func:`worst_softmax`). One emulated row per element: rows of ``n`` cost ``n^2``."""
+    c = get_format(compute_fmt)
+    out = get_format(out_fmt if out_fmt is not None else x.dtype)
+    summ = summation if summation is not None else Summation(accum=c)
+    x64 = x.to(torch.float64)
+    n = x64.shape[-1]
+    d_sign = torch.sign(x64 - x64.mean(-1, keepdim=True))             # (..., i)
+    mu_sign = -d_sign[..., :, None]                                    # (..., i, 1): mean towards x_i
+    xs = x64[..., None, :].expand(*x64.shape[:-1], n, n)               # (..., i, j)
+    up, down = worst_sum(xs, summ, 1.0), worst_sum(xs, summ, -1.0)
+    s = torch.where(mu_sign[..., 0] > 0, up, down)
+    mu = rel_round(s / n, c, mu_sign[..., 0])[..., None]               # (..., i, 1)
+    dv = x64[..., None, :] - mu
+    dv = half_ulp_round(dv, c, -torch.sign(dv))                        # towards zero: variance smallest
+    v = rel_round(worst_sum(rel_round(dv * dv, c, -1.0), summ, -1.0) / n, c, -1.0)
+    eps_h = float(round_to(torch.tensor(eps, dtype=torch.float64), c))
+    r = half_ulp_round(v + eps_h, c, -1.0).rsqrt() * ((1.0 + c.u) / (1.0 - c.u))
+    di = _away(x64 - mu[..., 0], c)
+    return _affine_worst(_away(di * r, c), weight, bias, c, out)

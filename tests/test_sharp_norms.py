@@ -1,0 +1,114 @@
+"""Sharp tests of the deterministic layer_norm / rms_norm bounds (issue 33).
+
+The worst-case emulations :func:`ttrace_num.emulate.worst_case.worst_rms_norm` and
+:func:`~ttrace_num.emulate.worst_case.worst_layer_norm` run the computation models of
+:mod:`ttrace_num.bounds.norms` with every rounding at its largest size in the direction that
+increases the error (``W^`` smallest so ``r^`` largest, the mean towards ``x_i``, the output
+roundings away from zero). On rows whose mass sits where the summation bound charges it
+(the deepest leaf of ATen's cascade for ``rms_norm``; the first two entries of a recursive
+sum) they attain the bound up to ``1 + O(2/n)`` (the few entries outside the head) and
+second-order terms. Each case asserts ``err <= bound`` and ``bound <= factor * err`` against
+the exact references (:mod:`ttrace_num.reference.ops`). ``CASES`` is also the probe set of
+``bench/mutation.py``.
+
+Covered: ``rms_norm`` (ATen cascade default and a recursive ``Summation``; squares rounded
+or exact (bf16); ``eps``; weight; output rounding) and ``layer_norm`` with
+``moments="two_pass"``, ``centering="subtract"`` (mean, subtraction, variance, ``eps``,
+``1/sqrt``, weight, bias, output). Not covered: ``layer_norm``'s default
+``moments="torch_cpu"`` (the Welford/Chan tree of :class:`~ttrace_num.bounds.norms.BoundOps`)
+and ``centering="fold"``: no worst-case emulation of those models yet.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import pytest
+import torch
+
+import ttrace_num as tn
+from ttrace_num.bounds.summation import Summation
+from ttrace_num.emulate.worst_case import worst_layer_norm, worst_rms_norm, worst_torch_cpu_sum
+from ttrace_num.formats import get_format
+from ttrace_num.reference import ops as ref
+
+#: rms_norm: every term of the bound is charged to the one checked element (measured <= 1 + 1e-6)
+SHARP_RMS = 1.0 + 1e-5
+#: layer_norm, n = 1024: the n - 2 tail entries get fewer roundings than the recursive sums'
+#: ``theta_{n-1}`` charges them (their share of ``sum d^2`` is ~2/n, and the bias rounding at the tail entries; measured <= 1 + 2.5e-3)
+SHARP_LN = 1.0 + 3e-3
+#: float64 evaluation of the emulation where it attains a bound exactly
+F64_SLACK = 1.0 + 1e-12
+RECURSIVE = Summation(accum=get_format("fp32"))
+
+
+def _deepest_leaf(n: int, lanes: int = 8) -> int:
+    """Index of a value with the most roundings in ATen's CPU sum of ``n`` values."""
+    return int(worst_torch_cpu_sum(torch.eye(n, dtype=torch.float64), lanes, "fp32", 1.0).argmax())
+
+
+def _rms_case(n: int, head: float, tail: float, summation: Summation | None = None, dtype=torch.float32,
+              eps: float = 1e-6, weight: float | None = None):
+    def case() -> tuple[torch.Tensor, torch.Tensor]:
+        cols = [_deepest_leaf(n)] if summation is None else [0, 1]
+        x = torch.full((1, n), tail)
+        x[0, cols] = head
+        x = x.to(dtype)
+        w = None if weight is None else torch.full((n,), weight).to(dtype)
+        bound = tn.tolerance("rms_norm", x, n, w, eps=eps, summation=summation).abs
+        err = (worst_rms_norm(x, w, eps, summation=summation) - ref.rms_norm(x, n, w, eps=eps)).abs()
+        return bound[..., cols], err[..., cols]
+    return case
+
+
+def _ln_case(head: float, n: int = 1024, dtype=torch.float32, eps: float = 1e-5, affine: bool = False):
+    def case() -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.zeros(1, n)
+        x[0, :2] = head
+        x = x.to(dtype)
+        w = torch.full((n,), 1.7).to(dtype) if affine else None
+        b = torch.full((n,), 0.3).to(dtype) if affine else None
+        bound = tn.tolerance("layer_norm", x, n, w, b, eps=eps, moments="two_pass", centering="subtract").abs
+        err = (worst_layer_norm(x, w, b, eps) - ref.layer_norm(x, n, w, b, eps=eps)).abs()
+        return bound, err
+    return case
+
+
+CASES: dict[str, Callable[[], tuple[torch.Tensor, torch.Tensor]]] = {
+    # mass at the deepest leaf (11 roundings for n = 64, 26 for 1024): theta(h + 2) of W
+    "rms_cpu_64": _rms_case(64, 1.3, 1e-4),
+    "rms_cpu_1024": _rms_case(1024, 1.3, 1e-4),
+    "rms_recursive": _rms_case(64, 1.3, 1e-4, RECURSIVE),
+    # mean square ~ eps: the rounding of eps and of W^ = ms^ + eps^ are a third of rho_r
+    "rms_eps": _rms_case(64, 1e-3, 1e-7, RECURSIVE),
+    # weight product and bf16 output rounding (exact squares of bf16 values in fp32)
+    "rms_weight": _rms_case(64, 1.3, 1e-4, weight=1.7),
+    "rms_bf16": _rms_case(64, 1.3, 1e-4, dtype=torch.bfloat16, weight=1.7),
+    # mean error (theta_n S/n and the division), subtraction, variance, 1/sqrt, z rounding
+    "ln_two_pass": _ln_case(3.1),
+    # |x| ~ sqrt(eps): eps^'s rounding and the + eps^ rounding
+    "ln_eps": _ln_case(3e-3),
+    # weight and bias roundings
+    "ln_affine": _ln_case(3.1, affine=True),
+    # bf16 storage, subtract centering: the output rounding dominates
+    "ln_bf16": _ln_case(3.1, dtype=torch.bfloat16),
+}
+
+
+def verdict(name: str, bound: torch.Tensor, err: torch.Tensor) -> str | None:
+    """``None`` if case ``name``'s bound holds (``err <= bound``) and is sharp (``bound <=
+    factor * err``), else what failed (also used by ``bench/mutation.py``)."""
+    if not torch.isfinite(bound).all():
+        return f"{name}: bound not finite"
+    if not (err <= bound * F64_SLACK).all():
+        return f"{name}: worst-case execution exceeds the bound by {float((err / bound).max())}"
+    sharp = SHARP_RMS if name.startswith("rms") else SHARP_LN
+    ratio = bound / err
+    if not (ratio <= sharp).all():
+        return f"{name}: bound/worst = {float(ratio.max())} > {sharp}: not sharp"
+    return None
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_worst_case_attains_bound(name: str) -> None:
+    failure = verdict(name, *CASES[name]())
+    assert failure is None, failure
