@@ -6,8 +6,8 @@ Every intermediate is rounded to the compute format with
 value, then one rounding), and the result is rounded once to the output format. The
 inputs are the stored values. ``ftz=True`` (gelu, silu) emulates a flush-to-zero kernel: the
 result is set to 0 where it is below the normal range of the compute format, and again
-after its rounding to the output format (AVX512-BF16's ``vcvtneps2bf16``). Results are float64 tensors holding output-format values.
-Vectorised; the formulas are exactly those stated in the bounds module.
+after its rounding to the output format (AVX512-BF16's ``vcvtneps2bf16``). Results are
+float64 tensors holding output-format values. Vectorised; the formulas are exactly those stated in the bounds module.
 """
 from __future__ import annotations
 
