@@ -29,6 +29,19 @@ def test_tolerance_on_generated_data_json(capsys):
     assert 0 < d["median_abs"] <= d["max_abs"] and d["explanation"]["op"] == "matmul"
 
 
+def test_tolerance_statistical_mode_matches_the_api(capsys):
+    """``--mode statistical`` is offered and is the API's bound at the same false-alarm rate."""
+    import ttrace_num as tn
+    from ttrace_num.cli import generate
+    argv = ["tolerance", "matmul", "--shape", "8x256", "--shape", "256x4", "--mode", "statistical",
+            "--failure-probability", "1e-4", "--json"]
+    assert main(argv) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["mode"] == "statistical"
+    a, b = generate("matmul", [(8, 256), (256, 4)], "normal", torch.float32, 0)
+    assert d["max_abs"] == pytest.approx(tn.tolerance("matmul", a, b, mode="statistical", false_alarm=1e-4).max(), rel=1e-12)
+
+
 def test_tolerance_on_safetensors_file(tmp_path, capsys):
     f = tmp_path / "x.safetensors"
     save_file({"x": torch.randn(4, 100), "unused": torch.zeros(1)}, str(f))

@@ -24,6 +24,7 @@ import torch
 
 import ttrace_num as tn
 from .calibrate.distributions import DISTRIBUTIONS
+from .bounds.base import MODES
 from .formats import FORMATS, get_format
 
 __all__ = ["main", "build_parser", "generate", "run_cli", "UsageError", "DISTRIBUTIONS", "EXIT_OK", "EXIT_DIVERGENT",
@@ -322,7 +323,8 @@ def cmd_tolerance(args: argparse.Namespace) -> int:
     if args.calibration:
         kw["calibration"] = args.calibration
     try:
-        fp = {"failure_probability": args.failure_probability} if args.mode == "probabilistic" and not args.calibration else {}
+        fp = ({} if args.calibration else {"failure_probability": args.failure_probability} if args.mode == "probabilistic"
+              else {"false_alarm": args.failure_probability} if args.mode == "statistical" else {})
         bound = tn.tolerance(args.op, *inputs, fmt=args.fmt, compute_fmt=args.compute_fmt, mode=args.mode, **fp, **kw)
     except (TypeError, ValueError, IndexError, RuntimeError) as e:  # from the user's inputs, shapes and --kw
         raise UsageError(f"{args.op} on these inputs and --kw: {e}") from None
@@ -459,7 +461,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, argparse._SubParsersAction]
     t.add_argument("--seed", type=int_at_least(0), default=0)
     t.add_argument("--fmt", type=format_spec, help="storage format (default: the inputs' dtype)")
     t.add_argument("--compute-fmt", dest="compute_fmt", type=format_spec, help="compute/accumulation format (default fp32 for narrower inputs)")
-    t.add_argument("--mode", choices=("deterministic", "probabilistic"), default="deterministic")
+    t.add_argument("--mode", choices=MODES, default="deterministic",
+                   help="deterministic (worst case), probabilistic (per-element failure probability), statistical "
+                        "(z sigma of the expected error; per-element false-alarm rate --failure-probability)")
     t.add_argument("--failure-probability", dest="failure_probability", type=probability, default=1e-6)
     t.add_argument("--kw", action="append", type=_parse_kw, metavar="KEY=VALUE", help="op keyword argument, e.g. dim=-1, eps=1e-5 (repeatable)")
     t.add_argument("--save", type=writable_file, metavar="OUT.safetensors", help="save the elementwise bound tensor")
