@@ -34,7 +34,8 @@ from ttrace_num.reference import ops as ref
 #: rms_norm: every term of the bound is charged to the one checked element (measured <= 1 + 1e-6)
 SHARP_RMS = 1.0 + 1e-5
 #: layer_norm, n = 1024: the n - 2 tail entries get fewer roundings than the recursive sums'
-#: ``theta_{n-1}`` charges them (their share of ``sum d^2`` is ~2/n, and the bias rounding at the tail entries; measured <= 1 + 2.5e-3)
+#: ``theta_{n-1}`` charges them (their share of ``sum d^2`` is ~2/n), and the bias rounding of
+#: the tail entries is a half-ulp at a smaller magnitude than charged (measured <= 1 + 2.5e-3)
 SHARP_LN = 1.0 + 3e-3
 #: float64 evaluation of the emulation where it attains a bound exactly
 F64_SLACK = 1.0 + 1e-12

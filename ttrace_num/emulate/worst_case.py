@@ -32,7 +32,7 @@ from ..formats import FloatFormat, get_format, half_ulp
 from ..rounding import round_to
 
 __all__ = ["rel_round", "half_ulp_round", "worst_sum", "worst_matmul", "worst_softmax", "worst_log_softmax",
-           "worst_quantize", "worst_torch_cpu_sum", "worst_rms_norm", "worst_layer_norm"]
+           "worst_quantize", "worst_torch_cpu_sum", "worst_rms_norm", "worst_layer_norm", "worst_attention_one_key"]
 
 
 def rel_round(t: torch.Tensor, fmt: FloatFormat, sign: float | torch.Tensor) -> torch.Tensor:
@@ -309,3 +309,32 @@ def worst_layer_norm(x: torch.Tensor, weight: torch.Tensor | None = None, bias: 
     r = half_ulp_round(v + eps_h, c, -1.0).rsqrt() * ((1.0 + c.u) / (1.0 - c.u))
     di = _away(x64 - mu[..., 0], c)
     return _affine_worst(_away(di * r, c), weight, bias, c, out)
+
+
+def worst_attention_one_key(v: torch.Tensor, *, algorithm: str = "standard", compute_fmt="fp32", p_fmt=None,
+                            out_fmt=None, exp_ulps: float = 1.0) -> torch.Tensor:
+    """Attention with a single key (``Lk = 1``: ``p = 1``, ``O = v``, the scores' and the
+    softmax's perturbations cancel exactly) under the models of
+    :func:`ttrace_num.bounds.attention.attention`, every rounding at its largest error away from
+    zero. ``"standard"``: ``r = fl(1/e)`` up, ``p^ = fl(e r)`` up, ``fl_pf(p^)`` up by
+    ``half_ulp_pf`` when ``pf != c``, the product ``P~ v`` up (its one rounding level), the
+    output. ``"online"``: ``e = exp(0) (1 + c_e)`` (the largest exp error, in the binade above
+    1), ``P~ = fl_pf(e)`` up by ``half_ulp_pf(e)``, ``acc = fl(P~ v)`` up, ``l = e`` (one term,
+    exact), ``fl(acc fl(1/l))`` with both roundings up, the output. ``v``: ``(..., 1, dv)``."""
+    c = get_format(compute_fmt)
+    pf = get_format(p_fmt) if p_fmt is not None else c
+    out = get_format(out_fmt if out_fmt is not None else v.dtype)
+    v64 = v.to(torch.float64)
+    if algorithm == "standard":
+        e = torch.ones((), dtype=torch.float64)
+        p = rel_round(e * rel_round(1.0 / e, c, 1.0), c, 1.0)
+        pt = p if conversion_exact(c, pf) else half_ulp_round(p, pf, 1.0)
+        o = rel_round(pt * v64, c, 1.0)
+    elif algorithm == "online":
+        e = torch.tensor(1.0 + 2.0 * exp_ulps * c.u, dtype=torch.float64)
+        pt = e if conversion_exact(c, pf) else half_ulp_round(e, pf, 1.0)
+        acc = rel_round(pt * v64, c, 1.0)
+        o = rel_round(acc * rel_round(1.0 / e, c, 1.0), c, 1.0)
+    else:
+        raise ValueError(f"algorithm must be 'standard' or 'online', not {algorithm!r}")
+    return o if conversion_exact(c, out) else _away(o, out)
