@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import ttrace_num as tn
 from ttrace_num.bounds.statistical import STATISTICAL_OPS, false_alarm_factor
 from ttrace_num.bounds.summation import Summation
+from ttrace_num.bounds.summation_variance import aten_cascade_sum
 from ttrace_num.emulate.summation import emulate_sum
 from ttrace_num.reference import ops as ref
 from ttrace_num.reference.dot import exact_matmul, exact_sum
@@ -44,7 +45,7 @@ def test_matmul_fp32_tight(k):
     med, viol = _tightness("matmul", make, torch.matmul, _f64(torch.matmul), 20)
     med_p, _ = _tightness("matmul", make, torch.matmul, _f64(torch.matmul), 5, mode="probabilistic")
     assert viol == 0 and med <= 4, (med, viol)
-    assert med_p > 10 * med  # the probabilistic bound is 30-900x here
+    assert med_p > 5 * med  # the probabilistic bound is 28-900x here, the statistical 2.5-3.1
 
 
 @pytest.mark.parametrize("op, run", [("softmax", lambda x: torch.softmax(x, -1)),
@@ -81,7 +82,8 @@ def test_sigma_is_the_error_scale():
     x = torch.randn(400, 512, generator=g)
     x = x[:, torch.randperm(512, generator=g)]
     err = emulate_sum(x, -1, Summation(), "fp32") - exact_sum(x, -1).double()
-    sigma = tn.tolerance("sum", x, dim=-1, mode="statistical", false_alarm=1e-6).abs / false_alarm_factor(1e-6)
+    sigma = tn.tolerance("sum", x, dim=-1, mode="statistical", false_alarm=1e-6,
+                         summation=Summation()).abs / false_alarm_factor(1e-6)  # the chain model, not the tree
     ratio = float((err.square().mean() / sigma.square().mean()).sqrt())
     assert 0.6 < ratio < 1.0, ratio
 
@@ -147,3 +149,52 @@ def test_attention_online_blocks_and_masks(lq, lk, kw):
     err = (y.double() - F.scaled_dot_product_attention(q.double(), k.double(), v.double(), **kw)).abs()
     b = tn.tolerance("attention", q, k, v, mode="statistical", **kw).abs
     assert bool((err <= b).all()) and float((b / err.clamp(min=1e-30)).min()) < 6
+
+
+def test_matmul_holds_in_the_kernels_order():
+    """The variance averaged over orders is not a bound for one order: products whose index-order
+    partial sums climb to ~K/2 terms and back (positive terms first, then negative) make MKL's
+    chain (index order at 8x8 outputs) ~K/2 times the average's variance. Before the index-order
+    chain's own variance was taken (``_index_chain_variance``), 8x64x8: 66 of these 640 elements
+    over the 1e-6 bound; after: none, at tightness < 4."""
+    g = torch.Generator().manual_seed(6)
+    sign = torch.where(torch.arange(64) < 32, 1.0, -1.0)
+    over, tight = 0, []
+    for _ in range(10):
+        a = torch.rand(8, 64, generator=g).add(0.5) * sign
+        b = torch.rand(64, 8, generator=g).add(0.5)
+        err = (a @ b).double() - a.double() @ b.double()
+        bound = tn.tolerance("matmul", a, b, mode="statistical").abs
+        over += int((err.abs() > bound).sum())
+        tight.append(float((bound / err.abs().clamp(min=1e-30)).min()))
+    assert over == 0 and statistics.median(tight) < 4, (over, tight)
+
+
+def test_aten_cascade_sum_is_the_kernels_order():
+    """:func:`aten_cascade_sum` in fp32 reproduces torch's CPU sum bit for bit (lengths below one
+    vector, tails, several cascade levels), under whichever dispatch this process runs."""
+    f32 = lambda a, b: (a + b).float().double()  # noqa: E731
+    g = torch.Generator().manual_seed(7)
+    for n in (1, 5, 8, 33, 1000, 1024, 70000):
+        x = torch.randn(3, n, generator=g)
+        assert torch.equal(x.sum(-1).double(), aten_cascade_sum(x.double(), f32)), n
+
+
+def test_sum_fp32_tight_on_torch_cascade():
+    """torch.sum of 1024 fp32 terms: the unknown-order chain's variance was 13x loose (instance
+    median tightness 13.4); the cascade tree's own variance: <= 4, rms error 0.6-1.0 sigma, no
+    violation; a strided (non-contiguous) row keeps the chain."""
+    g = torch.Generator().manual_seed(8)
+    tight, over, ratio = [], 0, []
+    for _ in range(30):
+        x = torch.randn(32, 1024, generator=g)
+        err = (x.sum(-1).double() - x.double().sum(-1)).abs()
+        b = tn.tolerance("sum", x, dim=-1, mode="statistical")
+        over += int((err > b.abs).sum())
+        tight.append(float((b.abs / err.clamp(min=1e-30)).min()))
+        ratio.append(err.square() / (b.abs / false_alarm_factor(1e-6)).square())
+    rms = float(torch.cat(ratio).mean().sqrt())
+    assert over == 0 and statistics.median(tight) <= 4 and 0.6 < rms < 1.0, (over, statistics.median(tight), rms)
+    assert "cascade" in str(b.explanation.values["summation"])
+    xt = torch.randn(1024, 32, generator=g).T
+    assert "cascade" not in str(tn.tolerance("sum", xt, dim=-1, mode="statistical").explanation.values["summation"])

@@ -93,7 +93,7 @@ from .base import Bound, Explanation, lambda_for
 from .attention import torch_cpu_sdpa_model
 from .common import Precision, f64, resolve_precision
 from .summation import Summation, conversion_exact, products_exact
-from .summation_variance import matmul_sum_statistics, sum_variance
+from .summation_variance import aten_sum_lanes, chain_variance, matmul_sum_statistics, order_variance, sum_variance
 
 __all__ = ["STATISTICAL_OPS", "DEFAULT_FALSE_ALARM", "false_alarm_factor", "statistical_tolerance", "Statistics",
            "kernel_model"]
@@ -146,15 +146,46 @@ def _out_rounds(final: FloatFormat, out: FloatFormat) -> FloatFormat | None:
 
 
 # ------------------------------------------------------------------------------ matmul
+#: largest ``batch x M x K x N`` product tensor for which the index-order chain's own variance
+#: (:func:`_index_chain_variance`) is computed (float64: 32 MiB)
+CHAIN_BUDGET = 1 << 22
+
+
+def _index_chain_variance(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, accum: FloatFormat,
+                          exact: bool) -> torch.Tensor | None:
+    """:func:`~.summation_variance.chain_variance` of every output of ``a @ b (+ bias)`` summed
+    as one chain in index order ``k = 0..K-1`` (the bias first or last: the larger), or ``None``
+    above :data:`CHAIN_BUDGET` (module docstring, "Order")."""
+    a64, b64 = f64(a), f64(b)
+    shape = torch.broadcast_shapes(a64.shape[:-1] + (1,), b64.shape[:-2] + (1, 1)) + (a64.shape[-1], b64.shape[-1])
+    if math.prod(shape) > CHAIN_BUDGET:
+        return None
+    terms = a64.unsqueeze(-1) * b64.unsqueeze(-3)  # (..., M, K, N)
+    var = chain_variance(terms, accum, dim=-2, exact_terms=exact)
+    if bias is None:
+        return var
+    bias64 = f64(bias).unsqueeze(-2)
+    last = chain_variance(torch.cat([terms, bias64.expand_as(terms[..., :1, :])], -2), accum, dim=-2,
+                          exact_terms=exact)
+    first = chain_variance(torch.cat([bias64.expand_as(terms[..., :1, :]), terms], -2), accum, dim=-2,
+                           exact_terms=exact)
+    return torch.maximum(last, first) - (0.0 if exact else bias64.squeeze(-2).square() * accum.u ** 2 / 3.0)
+
+
 def _matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, prec: Precision,
             summation: Summation | None) -> Statistics:
     summ = summation if summation is not None else Summation(accum=prec.compute)
     q, c, n, _ = matmul_sum_statistics(a, b, bias)
     exact = products_exact(prec.storage, summ.accum)
     var = sum_variance(q, c, n, summ, exact_products=exact)
+    chain = _index_chain_variance(a, b, bias, summ.accum, exact) if summ.parts(n) == 1 else None
+    if chain is not None:
+        var = torch.maximum(var, chain)
     return Statistics(var, c.abs(), _out_rounds(summ.final_fmt, prec.out),
-                      {"K": a.shape[-1], "summation": summ.describe(), "products_exact": exact},
-                      "z sqrt(alpha Q + beta C^2) + hu_out(|y| + z sigma), Q = (A*A)(B*B), C = A B")
+                      {"K": a.shape[-1], "summation": summ.describe(), "products_exact": exact,
+                       "index-order chain": chain is not None},
+                      "z sqrt(max(alpha Q + beta C^2, chain: u^2/3 sum_j s_j^2 [+ Q])) + hu_out(|y| + z sigma), "
+                      "Q = (A*A)(B*B), C = A B")
 
 
 # ------------------------------------------------------------------------------ sum, mean
@@ -171,6 +202,30 @@ def reduced_dims(x: torch.Tensor, dim: int | Sequence[int] | None) -> tuple[int,
         return ()
 
 
+#: ATen's ``internal::GRAIN_SIZE``: a reduction to one output over at least this many elements
+#: is split across threads (a tree this module does not model)
+_ATEN_GRAIN_SIZE = 32768
+
+
+def aten_cascade_applies(x: torch.Tensor, dims: tuple[int, ...], prec: Precision, summation: Summation | None
+                         ) -> bool:
+    """Whether ``torch.sum(x, dims)`` runs ATen's CPU cascade sum in the order of
+    :func:`~.summation_variance.aten_cascade_sum`: no ``summation`` declared, an fp32 CPU tensor
+    computed in fp32, contiguous, reduced over its last dim or over all dims (one row), and not
+    split across threads (more than one output, fewer than ``GRAIN_SIZE`` elements, or one
+    thread: ``TensorIterator``'s ``parallel_reduce``). Checked on this machine bit for bit under
+    the ``default`` and ``avx2`` dispatches (``tests/test_statistical.py``)."""
+    if summation is not None or x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous():
+        return False
+    if prec.compute.name != "fp32" or x.dim() == 0 or x.numel() == 0:
+        return False
+    whole = dims == tuple(range(x.dim()))
+    if dims != (x.dim() - 1,) and not whole:
+        return False
+    one_output = whole or x.numel() == x.shape[-1]
+    return not one_output or x.numel() < _ATEN_GRAIN_SIZE or torch.get_num_threads() == 1
+
+
 def _sum(op: str, x: torch.Tensor, dim, keepdim: bool, prec: Precision, summation: Summation | None) -> Statistics:
     summ = summation if summation is not None else Summation(accum=prec.compute)
     dims = reduced_dims(x, dim)
@@ -178,11 +233,17 @@ def _sum(op: str, x: torch.Tensor, dim, keepdim: bool, prec: Precision, summatio
     n = math.prod(x.shape[d] for d in dims) if dims else 1
     q = x64.square().sum(dims, keepdim=keepdim) if dims else x64.square()
     c = x64.sum(dims, keepdim=keepdim) if dims else x64.clone()
-    var = sum_variance(q, c, n, summ, exact_products=conversion_exact(prec.storage, summ.accum))
+    tree = aten_cascade_applies(x, dims, prec, summation)
+    if tree:  # the kernel's own order: the variance of its node sums (no average over orders)
+        rows = x64.reshape(-1) if len(dims) > 1 else x64
+        var = order_variance(rows, summ.accum).reshape(c.shape)
+    else:
+        var = sum_variance(q, c, n, summ, exact_products=conversion_exact(prec.storage, summ.accum))
     if op == "mean":
         c = c / n
         var = var / n**2 + half_ulp(c.abs(), summ.final_fmt) ** 2 / 3.0
-    return Statistics(var, c.abs(), _out_rounds(summ.final_fmt, prec.out), {"n": n, "summation": summ.describe()},
+    order = f"ATen CPU cascade sum, {aten_sum_lanes()} lanes" if tree else summ.describe()
+    return Statistics(var, c.abs(), _out_rounds(summ.final_fmt, prec.out), {"n": n, "summation": order},
                       "z sqrt(alpha Q + beta C^2" + (")/n [+ division]" if op == "mean" else ")")
                       + " + hu_out(|y| + z sigma), Q = sum x^2, C = sum x")
 

@@ -113,13 +113,14 @@ difference's square on top of the variance.
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 
 from ..formats import FloatFormat, half_ulp
 from .summation import Summation, conversion_exact
 
-__all__ = ["chain_split_difference", "difference_std", "gemm_difference_variance", "matmul_sum_statistics",
+__all__ = ["aten_cascade_sum", "aten_sum_lanes", "chain_split_difference", "chain_variance", "order_variance", "difference_std", "gemm_difference_variance", "matmul_sum_statistics",
            "matmul_variance", "may_stagnate", "rounding_variance", "sum_variance", "variance_coefficients"]
 
 #: ``m`` of :func:`may_stagnate` (module docstring, "Where the model fails")
@@ -286,3 +287,95 @@ def difference_std(*variances: torch.Tensor) -> torch.Tensor:
     """Standard deviation of the difference of independent runs: ``sqrt(sum of variances)``."""
     return torch.sqrt(sum(variances[1:], variances[0]))
 
+
+
+# ------------------------------------------------------------------------------ known orders
+def chain_variance(terms: torch.Tensor, accum: FloatFormat, dim: int = -1, exact_terms: bool = True) -> torch.Tensor:
+    r"""Variance proxy of the error of *one* recursive chain adding ``terms`` along ``dim`` in
+    index order (module docstring, "Known orders"): ``(u^2/3) (sum_{j>=2} s_j^2 [+ Q when the
+    terms are rounded products])``, ``s_j`` the exact prefix sums, float64."""
+    t = terms.double().movedim(dim, -1)
+    s = t.cumsum(-1)[..., 1:]
+    v = s.square().sum(-1)
+    if not exact_terms:
+        v = v + t.square().sum(-1)
+    return v * (accum.u ** 2 / 3.0)
+
+
+def aten_sum_lanes() -> int:
+    """Lanes of ``Vectorized<float>`` in the ATen CPU kernels this process dispatches to:
+    16 under AVX512, else 8 (AVX2, and the ``default`` build, whose generic ``Vectorized``
+    is 32 bytes wide)."""
+    return 16 if torch.backends.cpu.get_cpu_capability().upper().startswith("AVX512") else 8
+
+
+def _ceil_log2(x: int) -> int:
+    return 1 if x <= 2 else int(x - 1).bit_length()
+
+
+def aten_cascade_sum(x: torch.Tensor, add: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                     lanes: int | None = None) -> torch.Tensor:
+    r"""The summation tree of ATen's CPU ``sum`` over the last dim of a contiguous row
+    (``aten/src/ATen/native/cpu/SumKernel.cpp``: ``vectorized_inner_sum`` -> ``row_sum`` ->
+    ``multi_row_sum``), walked with ``add`` at every node whose operands are both (structurally)
+    nonzero: ``add = lambda a, b: (a + b).float().double()`` reproduces the fp32 kernel bit for bit
+    (``tests/test_statistical.py``); :func:`order_variance` walks it exactly to get its node sums.
+
+    Tree, for ``n`` terms and ``W`` = :func:`aten_sum_lanes` (``W = 1``, scalar, when ``n < W``):
+    the ``n // W`` full vectors are read as ``size_ilp = n // (4W)`` groups of 4 (``ilp_factor``),
+    each of the 4 accumulators (vectors of ``W`` lanes) a 4-level cascade: level 0 adds
+    ``2^p`` vectors (``p = max(4, ceil_log2(size_ilp) // 4)``), then is added into level 1,
+    level 1 into 2 each ``2^(2p)``, level 2 into 3 each ``2^(3p)``; then the levels are added into
+    level 0, the leftover vectors into accumulator 0, accumulators 1-3 into 0; the scalar tail
+    ``x[n - n % W:]`` is a chain, into which the ``W`` lanes of accumulator 0 are added in turn."""
+    n = x.shape[-1]
+    w = (lanes or aten_sum_lanes()) if n >= (lanes or aten_sum_lanes()) else 1
+    vec_size, size_ilp = n // w, n // w // 4
+    vec = x[..., :vec_size * w].reshape(x.shape[:-1] + (vec_size, w))
+    power = max(4, _ceil_log2(size_ilp) // 4)
+    step = 1 << power
+    acc: list[list[torch.Tensor | None]] = [[None] * 4 for _ in range(4)]  # [level][ilp]; None: structural 0
+
+    def plus(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+        return b if a is None else (a if b is None else add(a, b))
+    i = 0
+    while i < size_ilp:
+        for k in range(4):
+            acc[0][k] = plus(acc[0][k], vec[..., i * 4 + k, :])
+        i += 1
+        if i % step == 0:  # a full level-0 block ended: cascade it up
+            for j in range(1, 4):
+                for k in range(4):
+                    acc[j][k], acc[j - 1][k] = plus(acc[j][k], acc[j - 1][k]), None
+                if i & ((step - 1) << (j * power)):
+                    break
+    ps = [acc[0][k] for k in range(4)]
+    for j in range(1, 4):
+        for k in range(4):
+            ps[k] = plus(ps[k], acc[j][k])
+    for v in range(size_ilp * 4, vec_size):
+        ps[0] = plus(ps[0], vec[..., v, :])
+    for k in range(1, 4):
+        ps[0] = plus(ps[0], ps[k])
+    final: torch.Tensor | None = None
+    for k in range(vec_size * w, n):
+        final = plus(final, x[..., k])
+    if ps[0] is not None:
+        for lane in range(w):
+            final = plus(final, ps[0][..., lane])
+    return final if final is not None else torch.zeros(x.shape[:-1], dtype=x.dtype)
+
+
+def order_variance(x: torch.Tensor, accum: FloatFormat, lanes: int | None = None) -> torch.Tensor:
+    r"""Variance proxy of the error of ATen's CPU cascade sum (:func:`aten_cascade_sum`) of
+    ``x`` over its last dim: ``(u^2/3) sum_v s_v^2`` over the tree's additions ``v`` (both
+    operands nonzero), ``s_v`` the exact node sums (module docstring, "Known orders"), float64."""
+    squares: list[torch.Tensor] = []
+
+    def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        s = a + b
+        squares.append(s.square().reshape(x.shape[:-1] + (-1,)).sum(-1))
+        return s
+    aten_cascade_sum(x.double(), add, lanes)
+    total = torch.stack(squares).sum(0) if squares else torch.zeros(x.shape[:-1], dtype=torch.float64)
+    return total * (accum.u ** 2 / 3.0)
