@@ -103,7 +103,7 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 def _cases() -> list[Case]:
     out: list[Case] = []
     fp32 = torch.float32
-    for k in (64, 256, 1024, 4096, 16384):
+    for k in (16, 32, 64, 128, 256, 1024, 4096, 16384):
         out.append(Case("matmul", f"normal, 8x{k}x8", "fp32", _matmul_maker(8, k, 8, fp32), torch.matmul,
                         _f64(torch.matmul), modes=STAT, trials=RANDOM_TRIALS if k <= 1024 else LARGE_K_TRIALS))
     for k in (1024, 4096):

@@ -35,17 +35,27 @@ same addend is added again and again (constant operands, equal logits): their er
 a sign and add linearly. :mod:`.validity` detects repeated addends; the dispatcher
 (:func:`ttrace_num.tolerance`) charges their roundings deterministically and falls back to
 the deterministic bound where that is smaller. A chain in a narrow accumulator can also
-stagnate (:func:`~.summation_variance.may_stagnate`): such elements fall back too. The
-variance is an expectation over orders: a kernel whose order makes ``sum_j s_j^2`` larger
-than the random-order chain's (e.g. all positive addends first, then all negative ones on
-cancelling data) can exceed it.
+stagnate (:func:`~.summation_variance.may_stagnate`): such elements fall back too.
+
+Order. The random-order variance is an *average* over orders; for one order ``sum_j s_j^2`` has
+an exponential tail, so its ``z`` does not give the claimed rate per element (measured 7.6e-6
+and 1.3e-5 at 8x64x8 and 8x128x8 against 1e-6). Where the kernel's order is known the variance
+is that order's own (:mod:`.summation_variance`, "Known orders": the claim is then exact under
+the rounding model): ``sum``/``mean`` of a contiguous fp32 CPU tensor over its last dim or all
+dims, not split across threads, take ATen's cascade tree
+(:func:`aten_cascade_applies`); a GEMM (no split declared, ``batch M K N <= CHAIN_BUDGET``)
+takes ``max(random-order variance, index-order chain variance)`` (:func:`_index_chain_variance`;
+MKL sums each output of an 8x8 fp32 GEMM as that chain, products rounded, bit for bit). Larger
+GEMMs (MKL's blocked kernel, whose order is not documented) and the sums inside softmax and
+attention keep the average: their rate is measured, not derived (docs/bounds.md).
 
 Per op (first order; ``hu_f`` = :func:`~ttrace_num.formats.half_ulp` in format ``f``,
 ``c`` the compute format):
 
 * matmul/linear/bmm: :func:`~.summation_variance.matmul_variance` (products of fp32 inputs
-  counted as rounded: no FMA assumed), then ``r_out``.
-* sum/mean: :func:`~.summation_variance.sum_variance` over the reduced elements; mean
+  counted as rounded: no FMA assumed), or the index-order chain's where larger, then ``r_out``.
+* sum/mean: :func:`~.summation_variance.order_variance` (the cascade tree) where it applies,
+  else :func:`~.summation_variance.sum_variance` over the reduced elements; mean
   divides the variance by ``n^2`` and adds the division's rounding ``hu_final(|y|)^2/3``.
 * softmax (row of ``n`` logits, ``y_j = E_j / S``, ``E_j = exp(x_j - m)``): the relative
   error of ``e_j`` is ``alpha_j = tau_j + eps_j`` (the subtraction's rounding, variance
@@ -95,7 +105,8 @@ from .common import Precision, f64, resolve_precision
 from .summation import Summation, conversion_exact, products_exact
 from .summation_variance import aten_sum_lanes, chain_variance, matmul_sum_statistics, order_variance, sum_variance
 
-__all__ = ["STATISTICAL_OPS", "DEFAULT_FALSE_ALARM", "false_alarm_factor", "statistical_tolerance", "Statistics",
+__all__ = ["STATISTICAL_OPS", "DEFAULT_FALSE_ALARM", "CHAIN_BUDGET", "aten_cascade_applies", "false_alarm_factor",
+           "statistical_tolerance", "Statistics",
            "kernel_model"]
 
 #: default per-element false-alarm rate of ``mode="statistical"``
@@ -155,7 +166,8 @@ def _index_chain_variance(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor |
                           exact: bool) -> torch.Tensor | None:
     """:func:`~.summation_variance.chain_variance` of every output of ``a @ b (+ bias)`` summed
     as one chain in index order ``k = 0..K-1`` (the bias first or last: the larger), or ``None``
-    above :data:`CHAIN_BUDGET` (module docstring, "Order")."""
+    above :data:`CHAIN_BUDGET` (module docstring, "Order"). With rounded products the ``+ Q``
+    term of both chains counts the bias as one: its ``u^2/3 bias^2`` is taken back out."""
     a64, b64 = f64(a), f64(b)
     shape = torch.broadcast_shapes(a64.shape[:-1] + (1,), b64.shape[:-2] + (1, 1)) + (a64.shape[-1], b64.shape[-1])
     if math.prod(shape) > CHAIN_BUDGET:
