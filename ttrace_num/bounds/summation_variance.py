@@ -332,13 +332,17 @@ def _ceil_log2(x: int) -> int:
     return 1 if x <= 2 else int(x - 1).bit_length()
 
 
+Fold = Callable[[torch.Tensor, int], torch.Tensor]
+
+
 def aten_cascade_sum(x: torch.Tensor, add: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                      lanes: int | None = None) -> torch.Tensor:
     r"""The summation tree of ATen's CPU ``sum`` over the last dim of a contiguous row
     (``aten/src/ATen/native/cpu/SumKernel.cpp``: ``vectorized_inner_sum`` -> ``row_sum`` ->
     ``multi_row_sum``), walked with ``add`` at every node whose operands are both (structurally)
-    nonzero: ``add = lambda a, b: (a + b).float().double()`` reproduces the fp32 kernel bit for bit
-    (``tests/test_statistical.py``); :func:`order_variance` walks it exactly to get its node sums.
+    nonzero (each chain of one level at once, vectorised): ``add = lambda a, b: (a +
+    b).float().double()`` reproduces the fp32 kernel bit for bit (``tests/test_statistical.py``);
+    :func:`order_variance` walks it exactly (float64 prefix sums) to get its node sums.
 
     Tree, for ``n`` terms and ``W`` = :func:`aten_sum_lanes` (``W = 1``, scalar, when ``n < W``):
     the ``n // W`` full vectors are read as ``size_ilp = n // (4W)`` groups of 4 (``ilp_factor``),
@@ -347,42 +351,45 @@ def aten_cascade_sum(x: torch.Tensor, add: Callable[[torch.Tensor, torch.Tensor]
     level 1 into 2 each ``2^(2p)``, level 2 into 3 each ``2^(3p)``; then the levels are added into
     level 0, the leftover vectors into accumulator 0, accumulators 1-3 into 0; the scalar tail
     ``x[n - n % W:]`` is a chain, into which the ``W`` lanes of accumulator 0 are added in turn."""
-    n = x.shape[-1]
-    w = (lanes or aten_sum_lanes()) if n >= (lanes or aten_sum_lanes()) else 1
-    vec_size, size_ilp = n // w, n // w // 4
-    vec = x[..., :vec_size * w].reshape(x.shape[:-1] + (vec_size, w))
-    power = max(4, _ceil_log2(size_ilp) // 4)
-    step = 1 << power
-    acc: list[list[torch.Tensor | None]] = [[None] * 4 for _ in range(4)]  # [level][ilp]; None: structural 0
+    def fold(t: torch.Tensor, dim: int) -> torch.Tensor:
+        acc = t.select(dim, 0)
+        for i in range(1, t.shape[dim]):
+            acc = add(acc, t.select(dim, i))
+        return acc
+    return _cascade(x, fold, lanes)
 
-    def plus(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
-        return b if a is None else (a if b is None else add(a, b))
-    i = 0
-    while i < size_ilp:
-        for k in range(4):
-            acc[0][k] = plus(acc[0][k], vec[..., i * 4 + k, :])
-        i += 1
-        if i % step == 0:  # a full level-0 block ended: cascade it up
-            for j in range(1, 4):
-                for k in range(4):
-                    acc[j][k], acc[j - 1][k] = plus(acc[j][k], acc[j - 1][k]), None
-                if i & ((step - 1) << (j * power)):
-                    break
-    ps = [acc[0][k] for k in range(4)]
-    for j in range(1, 4):
-        for k in range(4):
-            ps[k] = plus(ps[k], acc[j][k])
-    for v in range(size_ilp * 4, vec_size):
-        ps[0] = plus(ps[0], vec[..., v, :])
-    for k in range(1, 4):
-        ps[0] = plus(ps[0], ps[k])
-    final: torch.Tensor | None = None
-    for k in range(vec_size * w, n):
-        final = plus(final, x[..., k])
-    if ps[0] is not None:
-        for lane in range(w):
-            final = plus(final, ps[0][..., lane])
-    return final if final is not None else torch.zeros(x.shape[:-1], dtype=x.dtype)
+
+def _cascade(x: torch.Tensor, fold: Fold, lanes: int | None) -> torch.Tensor:
+    """:func:`aten_cascade_sum` with every chain of the tree evaluated by ``fold(items, dim)`` (a
+    chain along ``dim`` whose first item enters exactly), one level's chains at once."""
+    n, w = x.shape[-1], lanes or aten_sum_lanes()
+    w = w if n >= w else 1
+    vec_size, groups = n // w, n // w // 4
+    step = 1 << max(4, _ceil_log2(groups) // 4)
+    vec = x[..., :vec_size * w].reshape(x.shape[:-1] + (vec_size, w))
+    items: torch.Tensor | None = vec[..., :groups * 4, :].reshape(x.shape[:-1] + (groups, 4, w))
+    levels: list[torch.Tensor] = []  # acc[0..3] at the end of the loop, each (..., 4, W)
+    for _ in range(3):  # level j adds its items in chains of `step`, each then added into level j+1
+        if items is None:
+            break
+        full = items.shape[-3] // step
+        tail = items[..., full * step:, :, :]
+        if tail.shape[-3]:
+            levels.append(fold(tail, -3))
+        items = fold(items[..., :full * step, :, :].reshape(items.shape[:-3] + (full, step) + items.shape[-2:]),
+                     -3) if full else None
+    if items is not None:  # level 3: one chain, never cascaded
+        levels.append(fold(items, -3))
+    lane_sums = x.new_zeros(x.shape[:-1] + (0,))
+    if levels or vec_size > groups * 4:
+        ps = fold(torch.stack(levels, -3), -3) if levels else None  # (..., 4, W)
+        first = ([ps[..., 0, :]] if ps is not None else []) + [vec[..., v, :] for v in range(groups * 4, vec_size)]
+        ps0 = fold(torch.stack(first, -2), -2)
+        if ps is not None:
+            ps0 = fold(torch.stack([ps0, ps[..., 1, :], ps[..., 2, :], ps[..., 3, :]], -2), -2)
+        lane_sums = ps0
+    final = torch.cat([x[..., vec_size * w:], lane_sums], -1)
+    return fold(final, -1) if final.shape[-1] else torch.zeros(x.shape[:-1], dtype=x.dtype)
 
 
 def order_variance(x: torch.Tensor, accum: FloatFormat, lanes: int | None = None) -> torch.Tensor:
@@ -391,10 +398,11 @@ def order_variance(x: torch.Tensor, accum: FloatFormat, lanes: int | None = None
     operands nonzero), ``s_v`` the exact node sums (module docstring, "Known orders"), float64."""
     squares: list[torch.Tensor] = []
 
-    def add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        s = a + b
-        squares.append(s.square().reshape(x.shape[:-1] + (-1,)).sum(-1))
-        return s
-    aten_cascade_sum(x.double(), add, lanes)
+    def fold(t: torch.Tensor, dim: int) -> torch.Tensor:
+        c = t.cumsum(dim)
+        if c.shape[dim] > 1:
+            squares.append(c.narrow(dim, 1, c.shape[dim] - 1).square().reshape(x.shape[:-1] + (-1,)).sum(-1))
+        return c.select(dim, -1)
+    _cascade(x.double(), fold, lanes)
     total = torch.stack(squares).sum(0) if squares else torch.zeros(x.shape[:-1], dtype=torch.float64)
     return total * (accum.u ** 2 / 3.0)
