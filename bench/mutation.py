@@ -68,11 +68,11 @@ TESTS = {
     "summation": ["tests/test_sharp_matmul.py", "tests/test_bounds_summation.py"],
     "softmax": ["tests/test_sharp_softmax.py", "tests/test_bounds_softmax.py"],
     "norms": ["tests/test_sharp_norms.py", "tests/test_bounds_norms.py"],
-    "attention": ["tests/test_bounds_attention.py"],
+    "attention": ["tests/test_sharp_attention.py", "tests/test_bounds_attention.py"],
     "fp8": ["tests/test_sharp_quantize.py", "tests/test_bounds_fp8.py"],
 }
 SHARP_MODULES = ["tests.test_sharp_matmul", "tests.test_sharp_softmax", "tests.test_sharp_quantize",
-                 "tests.test_sharp_norms"]
+                 "tests.test_sharp_norms", "tests.test_sharp_attention"]
 BEGIN, END = "<!-- mutation:begin -->", "<!-- mutation:end -->"
 #: A surviving mutant that moves no probe's bound by more than this (relative, any element) is
 #: reported as "sub-resolution": the sharp cases attain their bounds within 1 + 6e-7 at best
@@ -308,7 +308,8 @@ class Judge:
             self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--_worker", str(self.work)],
                                          cwd=self.work, env=_env(self.work), stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, bufsize=1)
-            if self.ask(self.all, self.timeout * 4) != "equivalent":
+            # every probe, on a loaded machine: as long as the coverage pass (minutes)
+            if self.ask(self.all, max(self.timeout * 4, 900.0)) != "equivalent":
                 raise RuntimeError("the original code fails its own probes")
         finally:
             for p, text in current.items():
@@ -449,11 +450,19 @@ def main() -> None:
                 names = sorted(cov[str(files[m.module])][m.line])
                 verdict, detail = judge(m, names, work, worker, a.timeout, a.sharp_only)
                 results.append((m, verdict, detail))
+                if a.json:  # kept up to date: a run that stops still leaves its results
+                    _save_json(a.json, results, time.time() - t0)
                 print(f"[{i + 1}/{len(mutants)} {time.time() - t0:.0f}s] {m.module}.py:{m.line} {m.kind} "
                       f"{m.desc}: {verdict} {detail}"[:300], flush=True)
         finally:
             worker.close()
     _output(results, time.time() - t0, " ".join(sys.argv[1:]), a.json, a.write)
+
+
+def _save_json(path: Path, results: list[tuple[Mutant, str, str]], secs: float) -> None:
+    path.write_text(json.dumps({"seconds": secs, "results": [
+        dict(module=m.module, line=m.line, kind=m.kind, desc=m.desc, verdict=v, detail=d)
+        for m, v, d in results]}, indent=1))
 
 
 def _output(results: list[tuple[Mutant, str, str]], secs: float, how: str, json_path: Path | None,
@@ -462,9 +471,7 @@ def _output(results: list[tuple[Mutant, str, str]], secs: float, how: str, json_
     text = render(results, secs, how)
     print(text)
     if json_path:
-        json_path.write_text(json.dumps({"seconds": secs, "results": [
-            dict(module=m.module, line=m.line, kind=m.kind, desc=m.desc, verdict=v, detail=d)
-            for m, v, d in results]}, indent=1))
+        _save_json(json_path, results, secs)
     if write:
         doc = write.read_text()
         if BEGIN in doc and END in doc:
