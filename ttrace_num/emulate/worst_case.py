@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import torch
 
-from ..bounds.norms import SumOps, torch_cpu_sum
+from ..bounds.norms import MomentOps, State, SumOps, TorchCPULayout, _ratio, torch_cpu_moments, torch_cpu_sum
 from ..bounds.summation import Summation, conversion_exact, products_exact
 from ..formats import FloatFormat, get_format, half_ulp
 from ..rounding import round_to
 
 __all__ = ["rel_round", "half_ulp_round", "worst_sum", "worst_matmul", "worst_softmax", "worst_log_softmax",
-           "worst_quantize", "worst_torch_cpu_sum", "worst_rms_norm", "worst_layer_norm", "worst_attention_one_key"]
+           "worst_quantize", "worst_torch_cpu_sum", "worst_rms_norm", "worst_layer_norm", "worst_layer_norm_torch_cpu",
+           "worst_attention_one_key"]
 
 
 def rel_round(t: torch.Tensor, fmt: FloatFormat, sign: float | torch.Tensor) -> torch.Tensor:
@@ -338,3 +339,105 @@ def worst_attention_one_key(v: torch.Tensor, *, algorithm: str = "standard", com
     else:
         raise ValueError(f"algorithm must be 'standard' or 'online', not {algorithm!r}")
     return o if conversion_exact(c, out) else _away(o, out)
+
+
+def _sterbenz(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Where ``fl(a - b)`` is exact by Sterbenz's lemma (same sign, ``|b|/2 <= |a| <= 2|b|``)."""
+    return ((a * b) > 0) & (2 * a.abs() >= b.abs()) & (a.abs() <= 2 * b.abs())
+
+
+def _sub_worst(a: torch.Tensor, b: torch.Tensor, c: FloatFormat, sign: torch.Tensor | float) -> torch.Tensor:
+    """``fl(a - b)`` off by ``sign half_ulp_c``, exact where Sterbenz's lemma applies (where the
+    bound's :func:`~ttrace_num.bounds.norms.sub_rounding` charges 0)."""
+    t = a - b
+    return torch.where(_sterbenz(a, b), t, half_ulp_round(t, c, sign))
+
+
+def _add_worst(a: torch.Tensor, b: torch.Tensor, c: FloatFormat, sign: torch.Tensor | float) -> torch.Tensor:
+    """``fl(a + b)`` (``a`` a c-number) off by ``sign min(half_ulp_c(a + b), |b|)``: the largest
+    error of the model (``a`` itself is a candidate of the rounding)."""
+    t = a + b
+    return t + sign * torch.minimum(half_ulp(t, c), b.abs())
+
+
+class _WorstMomentOps(MomentOps):
+    """ATen's ``RowwiseMoments`` merges (:func:`~ttrace_num.bounds.norms.torch_cpu_moments`) on
+    float64 values, every rounding of the model of :class:`~ttrace_num.bounds.norms.BoundOps`
+    at its largest size: the mean's local error ``(c^ - c) delta^ + c r1 + r2 + r3`` of every
+    node in direction ``mean_sign`` (``c^ = c + mean_sign sign(delta^) dc``, ``delta^``'s
+    rounding ``r1``, ``q^ = fl(c^ delta^)``'s ``r2``, ``fl(mA^ + q^)``'s ``r3 = min(hu, |q^|)``,
+    Sterbenz-exact differences exact; with ``shrink_delta`` ``r1`` is instead towards zero, which
+    makes ``|delta^|`` and so ``M^`` smaller: the bound charges ``r1`` to the mean and to ``M``
+    independently, one execution cannot take both), and every rounding of ``M`` *down* (``W^`` smallest):
+    ``fl(x - m^)`` towards zero, the products ``delta^ F^`` (Welford, half-ulp) and
+    ``((delta^ delta^) c^) nA`` (merge, relative ``u`` each, ``c^ = c - dc``) towards zero, the
+    additions down by ``min(hu, smaller operand)``. The bound uses ``c^`` only through
+    ``|c^ - c| <= dc`` per use, so each use taking its worst end is an execution of the model."""
+
+    def __init__(self, c: FloatFormat, mean_sign: float, shrink_delta: bool = False) -> None:
+        self.c, self.s, self.shrink = c, mean_sign, shrink_delta
+
+    def leaf(self, x: torch.Tensor) -> State:
+        return {"m": x, "M": torch.zeros_like(x)}
+
+    def _mean(self, a: State, b: State, cc: float, dc: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(m^, delta^)`` of the merge of ``a`` and ``b`` (weight ``cc`` of ``b``)."""
+        t = b["m"] - a["m"]
+        delta = _sub_worst(b["m"], a["m"], self.c, -torch.sign(t) if self.shrink else self.s)
+        ch = cc + self.s * torch.sign(delta) * dc
+        q = half_ulp_round(ch * delta, self.c, self.s)
+        return _add_worst(a["m"], q, self.c, self.s), delta
+
+    def welford(self, st: State, x: torch.Tensor, n_before: int, division: bool) -> State:
+        nv = n_before + 1
+        m, delta = self._mean(st, self.leaf(x), 1.0 / nv, 0.0 if division else _ratio(1, nv, self.c)[1])
+        f = x - m
+        f = torch.where(_sterbenz(x, m), f, half_ulp_round(f, self.c, -torch.sign(f)))
+        p = delta * f
+        p = half_ulp_round(p, self.c, -torch.sign(p))
+        return {"m": m, "M": _add_worst(st["M"], p, self.c, -1.0)}
+
+    def merge(self, a: State, b: State, na: int, nb: int, scalar: bool) -> State:
+        c = self.c
+        cc, dc = nb / (na + nb), _ratio(nb, na + nb, c)[1]
+        m, delta = self._mean(a, b, cc, dc)
+        p = rel_round(rel_round(rel_round(delta * delta, c, -1.0) * (cc - dc), c, -1.0) * na, c, -1.0)
+        return {"m": m, "M": _add_worst(a["M"], _add_worst(b["M"], p, c, -1.0), c, -1.0)}
+
+
+def worst_layer_norm_torch_cpu(x: torch.Tensor, weight: torch.Tensor | None = None,
+                               bias: torch.Tensor | None = None, eps: float = 1e-5, *,
+                               layout: TorchCPULayout | None = None, compute_fmt="fp32",
+                               out_fmt=None) -> torch.Tensor:
+    """Per element ``i`` of each row (last dim), the largest error of the ``moments="torch_cpu"``,
+    ``centering="subtract"`` model of :func:`ttrace_num.bounds.norms.layer_norm`: the moment
+    tree of :class:`_WorstMomentOps` with the mean rounded *away from* ``x_i`` (``mean_sign =
+    -sign(d_i)``: ``|x_i - mu^|`` largest) and ``M`` down, ``delta^`` rounded with the mean or
+    towards zero (``shrink_delta``); ``v^ = fl(M^ / N)`` down,
+    ``W^ = fl(v^ + eps^)`` down, ``fl(1/fl(sqrt(W^)))`` up by ``(1+u)/(1-u)``; ``d^_i = fl(x_i -
+    mu^)`` away from zero (exact where Sterbenz's lemma applies), then ``d^_i r^``, ``* w``,
+    ``+ b`` and the output away from zero. Four runs of the tree per row (mean direction x
+    ``shrink_delta``); per element the run farthest from the float64 layer norm (each run is an
+    execution of the model, so the largest of them is one too)."""
+    c = get_format(compute_fmt)
+    out = get_format(out_fmt if out_fmt is not None else x.dtype)
+    x64 = x.to(torch.float64).reshape(-1, x.shape[-1])
+    n = x64.shape[-1]
+    mean = x64.mean(-1, keepdim=True)
+    up = x64 < mean                                                    # mean rounded up for these elements
+    eps_h = float(round_to(torch.tensor(eps, dtype=torch.float64), c))
+    exact = _affine_worst((x64 - mean) * ((x64 - mean) ** 2).mean(-1, keepdim=True).add(eps).rsqrt(),
+                          weight, bias, get_format("fp64"), get_format("fp64"))
+    best = None
+    for shrink in (False, True):
+        runs = [torch_cpu_moments(x64, _WorstMomentOps(c, s, shrink), get_format(x.dtype), layout)[0]
+                for s in (1.0, -1.0)]
+        mu = torch.where(up, runs[0]["m"][:, None], runs[1]["m"][:, None])
+        M = torch.where(up, runs[0]["M"][:, None], runs[1]["M"][:, None])
+        v = half_ulp_round(M / n, c, -1.0)
+        r = half_ulp_round(v + eps_h, c, -1.0).rsqrt() * ((1.0 + c.u) / (1.0 - c.u))
+        di = x64 - mu
+        di = torch.where(_sterbenz(x64, mu), di, _away(di, c))
+        y = _affine_worst(_away(di * r, c), weight, bias, c, out)
+        best = y if best is None else torch.where((y - exact).abs() > (best - exact).abs(), y, best)
+    return best.reshape(x.shape)
