@@ -25,12 +25,10 @@ import pytest
 import torch
 
 import ttrace_num as tn
-from ttrace_num.emulate.worst_case import worst_attention_one_key
+from ttrace_num.emulate.worst_case import sharp_verdict, worst_attention_one_key
 
 #: measured <= 1 + 2.6e-6 (the bound's float64 slack and W_low = 1 - c_e against e = 1 + c_e)
 SHARP = 1.0 + 1e-5
-#: float64 evaluation of the emulation where it attains a bound exactly
-F64_SLACK = 1.0 + 1e-12
 
 
 def _case(algorithm: str, p_fmt: str | None = None, dtype: torch.dtype = torch.float32):
@@ -56,16 +54,9 @@ CASES: dict[str, Callable[[], tuple[torch.Tensor, torch.Tensor]]] = {
 
 
 def verdict(name: str, bound: torch.Tensor, err: torch.Tensor) -> str | None:
-    """``None`` if case ``name``'s bound holds (``err <= bound``) and is sharp (``bound <= SHARP
-    * err``), else what failed (also used by ``bench/mutation.py``)."""
-    if not torch.isfinite(bound).all():
-        return f"{name}: bound not finite"
-    if not (err <= bound * F64_SLACK).all():
-        return f"{name}: worst-case execution exceeds the bound by {float((err / bound).max())}"
-    ratio = bound / err
-    if not (ratio <= SHARP).all():
-        return f"{name}: bound/worst = {float(ratio.max())} > {SHARP}: not sharp"
-    return None
+    """:func:`~ttrace_num.emulate.worst_case.sharp_verdict` of case ``name`` (also used by
+    ``bench/mutation.py``)."""
+    return sharp_verdict(name, bound, err, SHARP)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -29,7 +29,7 @@ import torch
 import ttrace_num as tn
 from ttrace_num.bounds.summation import Summation
 from ttrace_num.emulate.summation import emulate_sum
-from ttrace_num.emulate.worst_case import rel_round, worst_matmul, worst_sum
+from ttrace_num.emulate.worst_case import sharp_verdict, rel_round, worst_matmul, worst_sum
 from ttrace_num.reference.dot import exact_matmul, exact_sum
 
 #: first-order tightness of the bounds at their worst case: 1 + O(n u) (measured <= 1 + 1.4e-4, fp16 split-K partials)
@@ -38,8 +38,6 @@ SHARP = 1.0 + 5e-4
 #: gradual underflow, where the relative ``theta S`` part and the statistics' ``(K+1) eta_w``
 #: slack are not attained by the same products (0.19%)
 LOOSER = {"matmul_flushed_products": 2.01, "matmul_subnormal_products": 1.003}
-#: float64 evaluation of the emulation (``~n 2^-53`` relative) where it attains a bound exactly
-F64_SLACK = 1.0 + 1e-12
 K = 64
 
 
@@ -147,17 +145,9 @@ CASES: dict[str, Callable[[], tuple[torch.Tensor, torch.Tensor]]] = {
 
 
 def verdict(name: str, bound: torch.Tensor, err: torch.Tensor) -> str | None:
-    """``None`` if case ``name``'s bound holds (``err <= bound``) and is sharp (``bound <= factor
-    * err``), else what failed (also used by ``bench/mutation.py``)."""
-    if not torch.isfinite(bound).all():
-        return f"{name}: bound not finite"
-    if not (err <= bound * F64_SLACK).all():
-        return f"{name}: worst-case execution exceeds the bound by {float((err / bound).max())}"
-    sharp = LOOSER.get(name, SHARP)
-    ratio = bound / err
-    if not (ratio <= sharp).all():
-        return f"{name}: bound/worst = {float(ratio.max())} > {sharp}: not sharp"
-    return None
+    """:func:`~ttrace_num.emulate.worst_case.sharp_verdict` of case ``name`` (also used by
+    ``bench/mutation.py``)."""
+    return sharp_verdict(name, bound, err, LOOSER.get(name, SHARP))
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

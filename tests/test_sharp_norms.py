@@ -32,7 +32,7 @@ import torch
 import ttrace_num as tn
 from ttrace_num.bounds.summation import Summation
 from ttrace_num.bounds.norms import TorchCPULayout
-from ttrace_num.emulate.worst_case import worst_layer_norm, worst_layer_norm_torch_cpu, worst_rms_norm, worst_torch_cpu_sum
+from ttrace_num.emulate.worst_case import sharp_verdict, worst_layer_norm, worst_layer_norm_torch_cpu, worst_rms_norm, worst_torch_cpu_sum
 from ttrace_num.formats import get_format
 from ttrace_num.reference import ops as ref
 
@@ -53,8 +53,6 @@ SHARP_LN_CPU_MEAN = 1.0 + 1e-2
 SHARP_LN_CPU_ALL = 1.5
 #: layer_norm torch_cpu, bf16 storage (output rounding to bf16 dominates; measured <= 1.03)
 SHARP_LN_CPU_BF16 = 1.05
-#: float64 evaluation of the emulation where it attains a bound exactly
-F64_SLACK = 1.0 + 1e-12
 RECURSIVE = Summation(accum=get_format("fp32"))
 #: case-name prefix -> sharpness factor (first match)
 SHARP = (("rms", SHARP_RMS), ("ln_cpu_mean", SHARP_LN_CPU_MEAN), ("ln_cpu_all", SHARP_LN_CPU_ALL),
@@ -145,17 +143,9 @@ CASES: dict[str, Callable[[], tuple[torch.Tensor, torch.Tensor]]] = {
 
 
 def verdict(name: str, bound: torch.Tensor, err: torch.Tensor) -> str | None:
-    """``None`` if case ``name``'s bound holds (``err <= bound``) and is sharp (``bound <=
-    factor * err``), else what failed (also used by ``bench/mutation.py``)."""
-    if not torch.isfinite(bound).all():
-        return f"{name}: bound not finite"
-    if not (err <= bound * F64_SLACK).all():
-        return f"{name}: worst-case execution exceeds the bound by {float((err / bound).max())}"
-    sharp = next(f for prefix, f in SHARP if name.startswith(prefix))
-    ratio = bound / err
-    if not (ratio <= sharp).all():
-        return f"{name}: bound/worst = {float(ratio.max())} > {sharp}: not sharp"
-    return None
+    """:func:`~ttrace_num.emulate.worst_case.sharp_verdict` of case ``name`` (also used by
+    ``bench/mutation.py``)."""
+    return sharp_verdict(name, bound, err, next(f for prefix, f in SHARP if name.startswith(prefix)))
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -26,11 +26,10 @@ import torch
 
 import ttrace_num as tn
 from ttrace_num import scaling
-from ttrace_num.emulate.worst_case import worst_quantize
+from ttrace_num.emulate.worst_case import sharp_verdict, worst_quantize
 
 #: the ties and saturation are attained exactly; the worst-case emulation to 1 + O(u)
 SHARP = 1.0 + 1e-6
-F64_SLACK = 1.0 + 1e-12
 
 
 def _ties() -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,16 +74,9 @@ CASES: dict[str, Callable[[], tuple[torch.Tensor, torch.Tensor]]] = {
 
 
 def verdict(name: str, bound: torch.Tensor, err: torch.Tensor) -> str | None:
-    """``None`` if case ``name``'s bound holds and is sharp, else what failed (also used by
+    """:func:`~ttrace_num.emulate.worst_case.sharp_verdict` of case ``name`` (also used by
     ``bench/mutation.py``)."""
-    if not torch.isfinite(bound).all():
-        return f"{name}: bound not finite"
-    if not (err <= bound * F64_SLACK).all():
-        return f"{name}: the error exceeds the bound by {float((err / bound).max())}"
-    ratio = bound / err
-    if not (ratio <= SHARP).all():
-        return f"{name}: bound/worst = {float(ratio.max())} > {SHARP}: not sharp"
-    return None
+    return sharp_verdict(name, bound, err, SHARP)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))

@@ -33,7 +33,24 @@ from ..rounding import round_to
 
 __all__ = ["rel_round", "half_ulp_round", "worst_sum", "worst_matmul", "worst_softmax", "worst_log_softmax",
            "worst_quantize", "worst_torch_cpu_sum", "worst_rms_norm", "worst_layer_norm", "worst_layer_norm_torch_cpu",
-           "worst_attention_one_key"]
+           "worst_attention_one_key", "F64_SLACK", "sharp_verdict"]
+
+#: the float64 arithmetic of an emulation against its bound: a worst case may sit on the bound
+F64_SLACK = 1.0 + 1e-12
+
+
+def sharp_verdict(name: str, bound: torch.Tensor, err: torch.Tensor, factor: float) -> str | None:
+    """``None`` when sharp case ``name`` holds (``err <= bound``, up to :data:`F64_SLACK`) and its
+    bound is attained (``bound <= factor * err``), else what failed. The check of every sharp test
+    module, and of ``bench/mutation.py``: a lost term fails the first, a spurious one the second."""
+    if not torch.isfinite(bound).all():
+        return f"{name}: bound not finite"
+    if not (err <= bound * F64_SLACK).all():
+        return f"{name}: worst-case execution exceeds the bound by {float((err / bound).max())}"
+    ratio = bound / err
+    if not (ratio <= factor).all():
+        return f"{name}: bound/worst = {float(ratio.max())} > {factor}: not sharp"
+    return None
 
 
 def rel_round(t: torch.Tensor, fmt: FloatFormat, sign: float | torch.Tensor) -> torch.Tensor:
