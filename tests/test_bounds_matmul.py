@@ -360,13 +360,16 @@ def test_default_bound_covers_a_flush_to_zero_gemm(case):
 def test_flush_to_zero_leaves_normal_bf16_fp16_tightness_unchanged():
     """No subnormal input, no result near 0: the FTZ terms (``n 2^-126``) change nothing. (A
     subnormal fp16 input, 1 in 2e4 of randn values, adds its dropped products to the elements
-    it touches: ``daz_term``.)"""
+    it touches: ``daz_term``; an output that may be an fp16 subnormal, |y| below ~6e-5 plus its
+    error, rightly takes the output's flush term: such elements are left out.)"""
     g = _gen("ftz-tight")
     for dt in (torch.bfloat16, torch.float16):
         a, b = torch.randn(32, 256, generator=g), torch.randn(256, 32, generator=g)
         a, b = (torch.where(t.abs() < 1e-3, torch.full_like(t, 1e-3), t).to(dt) for t in (a, b))
+        away_from_zero = (a.double() @ b.double()).abs() > 1e-2
         new, old = matmul(a, b).abs, matmul(a, b, summation=Summation()).abs
-        assert float((new / old).max()) < 1 + 1e-12
+        assert away_from_zero.float().mean() > 0.9
+        assert float((new / old)[away_from_zero].max()) < 1 + 1e-12
 
 
 LINEAR_INPUTS = {  # name: (bf16 input, torch's path)
