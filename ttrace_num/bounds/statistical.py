@@ -93,7 +93,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 
@@ -102,6 +102,7 @@ from ..rounding import round_to
 from .base import Bound, Explanation, lambda_for
 from .attention import torch_cpu_sdpa_model
 from .common import Precision, f64, resolve_precision
+from .reduction import reduced_dims
 from .summation import Summation, conversion_exact, products_exact
 from .summation_variance import aten_sum_lanes, chain_variance, matmul_sum_statistics, order_variance, sum_variance
 
@@ -201,19 +202,6 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, prec: P
 
 
 # ------------------------------------------------------------------------------ sum, mean
-def reduced_dims(x: torch.Tensor, dim: int | Sequence[int] | None) -> tuple[int, ...]:
-    """The dims a reduction runs over, normalised (``None``: all)."""
-    if dim is None:
-        return tuple(range(x.dim()))
-    dims = (dim,) if isinstance(dim, int) else tuple(dim)
-    if not all(isinstance(d, int) for d in dims):
-        raise TypeError(f"dim must be an int, a tuple of ints or None, got {dim!r}")
-    try:
-        return tuple(sorted({d % x.dim() if x.dim() else 0 for d in dims}))
-    except ZeroDivisionError:
-        return ()
-
-
 #: ATen's ``internal::GRAIN_SIZE``: a reduction to one output over at least this many elements
 #: is split across threads (a tree this module does not model)
 _ATEN_GRAIN_SIZE = 32768
@@ -240,7 +228,7 @@ def aten_cascade_applies(x: torch.Tensor, dims: tuple[int, ...], prec: Precision
 
 def _sum(op: str, x: torch.Tensor, dim, keepdim: bool, prec: Precision, summation: Summation | None) -> Statistics:
     summ = summation if summation is not None else Summation(accum=prec.compute)
-    dims = reduced_dims(x, dim)
+    dims = tuple(sorted(reduced_dims(op, x, dim)))
     x64 = f64(x)
     n = math.prod(x.shape[d] for d in dims) if dims else 1
     q = x64.square().sum(dims, keepdim=keepdim) if dims else x64.square()

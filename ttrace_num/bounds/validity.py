@@ -76,7 +76,8 @@ import torch
 
 from ..formats import FloatFormat, half_ulp
 from .common import Precision, f64
-from .statistical import attention_scores, reduced_dims
+from .reduction import reduced_dims
+from .statistical import attention_scores
 from .summation import Summation, conversion_exact, products_exact
 from .summation_variance import STAGNATION_MARGIN
 
@@ -168,7 +169,7 @@ def _matmul(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, prec: P
 
 def _sum(op: str, x: torch.Tensor, dim, keepdim: bool, prec: Precision, summation: Summation | None) -> Validity:
     summ = summation if summation is not None else Summation(accum=prec.compute)
-    dims = reduced_dims(x, dim)
+    dims = tuple(sorted(reduced_dims(op, x, dim)))
     x64 = f64(x)
     if not dims:
         z = torch.zeros_like(x64)
