@@ -245,14 +245,20 @@ class Case:
     few_sources: bool               # tracer.compare.check.few_sources for this tensor, as compare decides it
     bound: float                    # the depth rule's relative bound
     layer: int
+    elementwise: bool = False       # the element statistic tests this tensor, as compare decides it
     k0: float = math.nan            # the depth rule's zero-false-positive k for this phase (clean_census)
 
     def full(self, delta: float) -> tuple[torch.Tensor, list[str]]:
         """The candidate's assembled tensor with the chosen shard scaled by ``1 + delta``."""
+        return self.assembled(corrupt_shard(self.shards[self.rank], delta) if delta else None)
+
+    def assembled(self, shard: torch.Tensor | None = None) -> tuple[torch.Tensor, list[str]]:
+        """The candidate's assembled tensor, with ``shard`` in place of the chosen rank's (None:
+        the clean one), and the replica notes, exactly as :func:`tracer.compare.check.compare` assembles it."""
         from tracer.trace.canonical import assemble
         shards = dict(self.shards)
-        if delta:
-            shards[self.rank] = corrupt_shard(shards[self.rank], delta)
+        if shard is not None:
+            shards[self.rank] = shard
         full, report = assemble(shards, {r: e.placement for r, e in self.entries.items()},
                                 name=self.target.name)
         notes = [f"replicas over {d.group} differ" for d in report.replicas if not d.equal]
@@ -260,20 +266,26 @@ class Case:
 
     def ours(self, delta: float, block_scale: bool = True):
         """Our verdict (a :class:`tracer.compare.judge.TensorCheck`) on the corrupted candidate."""
+        return self.verdict(*self.full(delta), block_scale=block_scale)
+
+    def verdict(self, full: torch.Tensor, notes: list[str], block_scale: bool = True):
+        """Our verdict on an assembled candidate tensor (``block_scale=False``: the norm statistic alone)."""
         from tracer.compare.judge import check_tensor
-        full, notes = self.full(delta)
         t = self.target
         return check_tensor(t.step, RecordKey(t.phase, t.name, t.microbatch, t.call), self.ref_e, self.ref_t, full, notes,
                           self.noisy, self.per_tensor, self.entries, block_scale=block_scale,
-                          few_sources=self.few_sources)
+                          few_sources=self.few_sources, elementwise=self.elementwise and block_scale)
 
     def flags(self, method: str, delta: float) -> bool:
         """Does ``method`` flag the tensor when the shard is scaled by ``1 + delta``?"""
+        return self.flags_tensor(method, *self.full(delta))
+
+    def flags_tensor(self, method: str, full: torch.Tensor, notes: list[str]) -> bool:
+        """Does ``method`` flag the assembled candidate tensor ``full``?"""
         if method == "ours":
-            return self.ours(delta).status != "ok"
+            return self.verdict(full, notes).status != "ok"
         if method == "ours_norm":
-            return self.ours(delta, block_scale=False).status != "ok"
-        full, _ = self.full(delta)
+            return self.verdict(full, notes, block_scale=False).status != "ok"
         ref = self.ref_t
         full = full if full.dtype == ref.dtype else full.to(ref.dtype)
         if method == "assert_close":
@@ -340,7 +352,9 @@ class Result:
 def load_case(ref_root: Path, cand_root: Path, target: Target, per_tensor: float, num_layers: int,
               eps: float) -> Case:
     """Everything :func:`tracer.compare.check.compare` would read for ``target`` (read-only)."""
-    from tracer.compare.check import few_sources, makes_topk_choice, noise_dirs, records_by_key, samples_restart
+    from tracer.compare.check import (few_sources, makes_topk_choice, noise_dirs, records_by_key, samples_restart,
+                                      shared_start_steps)
+    from tracer.compare.elementwise import element_statistic_applies
     from tracer.trace.store import TraceReader
     ref, cand = TraceReader(ref_root), TraceReader(cand_root)
     key = RecordKey(target.phase, target.name, target.microbatch, target.call)
@@ -349,10 +363,12 @@ def load_case(ref_root: Path, cand_root: Path, target: Target, per_tensor: float
     readers = [TraceReader(d) for d in noise_dirs(ref_root)]
     noisy = [n.load(target.step, 0, records_by_key(n, target.step)[key][0].key) for n in readers]
     layer = layer_index(target.name, num_layers)
+    restarted, discrete = samples_restart(readers), makes_topk_choice(ref, target.step)
+    shared = shared_start_steps(ref, cand, readers, sorted(set(ref.steps()) & set(cand.steps())), restarted)
     return Case(target, ref_e, ref.load(target.step, 0, ref_e.key), noisy,
                 {r: cand.load(target.step, r, e.key) for r, e in entries.items()}, entries, min(entries),
-                per_tensor, few_sources(target.phase, samples_restart(readers), makes_topk_choice(ref, target.step)),
-                depth_bound(layer, num_layers, eps), layer)
+                per_tensor, few_sources(target.phase, restarted, discrete), depth_bound(layer, num_layers, eps), layer,
+                element_statistic_applies(target.phase, target.step in shared, discrete))
 
 
 def measure(case: Case, dtype: str, clean_row) -> Result:

@@ -55,7 +55,7 @@ from torch import nn
 from tracer.trace.canonical import Placement, ShardDim, layer_offset, renumber
 from tracer.capture.hooks import Tracer
 from tracer.capture.optim_state import cast_mismatches, main_param_and_state, optimizer_options
-from tracer.trace.schema import Phase
+from tracer.trace.schema import SAME_ARITHMETIC_META, Phase
 from tracer.trace.store import TraceWriter
 from tracer.adapters.base import phases_of
 
@@ -91,6 +91,16 @@ _SKIPPED_CLASSES = ("IdentityOp", "IdentityFuncOp", "Dropout",
                     # enclosing LanguageModelEmbedding's [s, b, h] output is traced instead
                     "VocabParallelEmbedding")
 _STAGE_DEPENDENT = ("GPTModel", "TransformerBlock")
+#: classes whose forward computes each output element as a single-device run does under any
+#: TP/SP/PP/DP layout (a column-parallel GEMM reduces over the whole input dim on one rank, a norm
+#: over one row, attention within one head, the vocab-parallel lookup sums one value with zeros):
+#: the records of such a module, and of a container made only of such modules, are marked
+#: :data:`~tracer.trace.schema.SAME_ARITHMETIC_META` (tracer.compare.exactness). A row-parallel GEMM
+#: splits its reduction over TP (unchanged only at TP = 1); any other class is not assumed.
+_SAME_FORWARD_CLASSES = frozenset(("LanguageModelEmbedding", "VocabParallelEmbedding", "RotaryEmbedding",
+                                   "ColumnParallelLinear", "DotProductAttention", "FusedScaleMaskSoftmax",
+                                   "SelfAttention", "MLP", "TransformerLayer", "IdentityOp", "IdentityFuncOp")
+                                  + tuple(n for n in _NORMS if n != "TENorm"))
 
 
 def _matches(param_name: str, patterns: Sequence[str]) -> bool:
@@ -238,7 +248,9 @@ class MegatronTracer:
         # chunk builds the same rotary table: the first chunk's is traced.
         stage_dependent = [n for n, c in self._classes.items() if c in _STAGE_DEPENDENT or n == ""]
         repeated = [f"{c}.rotary_pos_emb" for c in range(1, len(self.chunks))]
+        same = self._same_forward_modules()
         self.tracer = Tracer(self.model, writer, include=include,
+                             module_meta={n: {SAME_ARITHMETIC_META: True} for n in same},
                              exclude=list(exclude) + stage_dependent + repeated + skipped
                              + [s + ".*" for s in skipped if s],
                              capture=[c for c in capture if c in ("fwd_in", "fwd_out", "bwd_out", "bwd_in")],
@@ -251,6 +263,23 @@ class MegatronTracer:
         self._orig_finalize = config.finalize_model_grads_func
         config.finalize_model_grads_func = self._finalize
         self._counters = [0] * len(self.chunks)  # microbatches each chunk has started this step
+
+    def _same_forward_modules(self) -> list[str]:
+        """Local names of the modules whose forward this layout computes as a single-device run
+        does (:data:`_SAME_FORWARD_CLASSES`; a dropout only with ``p = 0``): the module and every
+        module inside it."""
+        def same(name: str, m: nn.Module) -> bool:
+            cls = self._classes[name]
+            if cls == "Dropout":
+                return float(getattr(m, "p", 1.0)) == 0.0
+            return cls in _SAME_FORWARD_CLASSES or (cls == "RowParallelLinear" and self.par["tp"] == 1)
+        names = [n for n in self._modules if n]
+        changed = set()  # a module that is not the same, and every module that contains it
+        for n in names:
+            if not same(n, self._modules[n]):
+                parts = n.split(".")
+                changed.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+        return [n for n in names if n not in changed]
 
     # names ------------------------------------------------------------------------
     def _chunk(self, local: str) -> tuple[int, str]:

@@ -168,6 +168,7 @@ class Tracer:
         self.name_fn = name_fn or (lambda name: name)
         self.placement_fn = placement_fn
         self.module_meta = dict(module_meta or {})
+        self._wildcards = {p: any(c in p for c in "*?[") for p in self.module_meta}  # exact names: no fnmatch
         self.grad_scale = float(grad_scale)
         self.outputs_first = bool(outputs_first)
         self.grad_placement_from_forward = bool(grad_placement_from_forward)
@@ -269,7 +270,7 @@ class Tracer:
         if local is not None:
             meta.setdefault("module", local)
             for pattern, extra in self.module_meta.items():
-                if fnmatch.fnmatchcase(local, pattern):
+                if pattern == local or (self._wildcards.get(pattern) and fnmatch.fnmatchcase(local, pattern)):
                     meta.update(extra)
         meta.setdefault("call", call)
         tensor, spec = local_shard(tensor)

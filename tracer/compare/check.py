@@ -63,6 +63,8 @@ import torch
 from tracer.compare.coverage import Coverage, mark_unmodelled, verdict as coverage_verdict
 from tracer.compare.decisions import TOPK_META, ChoiceChange
 from tracer.compare.deviation import DEVIATION_FIELD, SampleMoments, combined_moments
+from tracer.compare.elementwise import element_statistic_applies
+from tracer.compare.exactness import apply_exactness
 from tracer.compare.judge import TensorCheck, check_routed, check_stats_only, downstream_of_choices
 from tracer.compare.localise import localise
 from tracer.compare.sign_flips import without_sign_flips
@@ -80,11 +82,12 @@ from tracer.errors import (
     UnmatchedRecordsError,
 )
 from tracer.trace.canonical import AssemblyReport, assemble
-from tracer.trace.schema import CARRIED_PHASES, CHECKED_PHASES, PRE_UPDATE_PHASES, Entry, Phase, RecordKey, Status
+from tracer.trace.schema import (CARRIED_PHASES, CHECKED_PHASES, PRE_UPDATE_PHASES, SAME_ARITHMETIC_META, Entry, Phase,
+                                 RecordKey, Status)
 from tracer.trace.store import TraceReader, manifest_path
 
 __all__ = ["Comparison", "assembled_phases", "assembled_record", "assembled_records", "compare", "few_sources",
-           "makes_topk_choice", "noise_dirs", "records_by_key", "samples_restart"]
+           "makes_topk_choice", "noise_dirs", "records_by_key", "samples_restart", "shared_start_steps"]
 
 
 
@@ -182,6 +185,20 @@ def few_sources(phase: str, restarted: bool, discrete: bool) -> bool:
     without this exception the re-synchronised matrix had 5 tensors over threshold (up to
     1.04x) in one MoE row, downstream of its routers."""
     return not (restarted and not discrete and phase in PRE_UPDATE_PHASES)
+
+
+def shared_start_steps(ref: TraceReader, cand: TraceReader, noise: list[TraceReader], steps: Iterable[int],
+                       restarted: bool) -> set[int]:
+    """The compared steps that the candidate and every noise sample began from the reference's
+    parameters: every step when the samples restart from the re-synchronised state
+    (:func:`samples_restart`; the candidate is the state they restart from), else the first step
+    of the comparison when it is the first step of every trace (differential testing starts both
+    runs from one state; before any update no Adam sign flip separates them)."""
+    steps = sorted(steps)
+    if restarted or not steps:
+        return set(steps)
+    first = steps[0]
+    return {first} if all(r.steps() and min(r.steps()) == first for r in (ref, cand, *noise)) else set()
 
 
 def makes_topk_choice(reader: TraceReader, step: int) -> bool:
@@ -519,7 +536,7 @@ def _refuse_nonfinite_noise(readers: list[TraceReader], entries: list[Entry], st
 def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str | Path] | None = None,
             steps: Iterable[int] | None = None, false_alarm: float = DEFAULT_FALSE_ALARM,
             progress: bool = False, block_scale: bool = True, accept_unmodelled: bool = False,
-            skip: Iterable[str] | None = None) -> Comparison:
+            skip: Iterable[str] | None = None, elementwise: bool = True, exact_unchanged: bool = True) -> Comparison:
     """Check ``candidate`` against ``reference`` (trace directories); see the module docstring.
 
     ``noise``: noise-sample trace directories (default: ``reference/noise/sample_*``).
@@ -533,6 +550,15 @@ def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str
     ``block_scale``: also test the block-scale statistic (:mod:`tracer.compare.blockscale`; where it
     applies, each statistic at half a tensor's false-alarm probability); ``False``: the norm
     statistic alone (less sensitive to a wrongly scaled shard).
+    ``elementwise``: also test the element statistic (:mod:`tracer.compare.elementwise`) on the
+    tensors where it applies: recorded before the optimizer update of a step that every run
+    began from the reference's parameters (:func:`shared_start_steps`), without a top-k choice, with
+    noise samples that carry its summaries; it sees a few wrong elements that the norm statistics average
+    away. Each statistic tested on a tensor gets an equal share of its false-alarm probability.
+    ``exact_unchanged``: a forward output of a module that the candidate's adapter marks as
+    computed as in the reference, whose inputs matched bitwise in such a step, must match bitwise
+    (:mod:`tracer.compare.exactness`; it assumes both runs use the same deterministic kernels: turn
+    it off for a reference on other hardware).
     ``accept_unmodelled``: tensors recorded after an op without an error model (the noise
     samples' census, :mod:`tracer.compare.coverage`) stay ``ok``; by default they get the status
     ``unmodelled`` and the verdict is ``unverified`` instead of ``consistent``.
@@ -628,7 +654,9 @@ def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str
     plan.sort(key=lambda p: (p[0], p[2][min(p[2])].index))  # a distributed reference: module doc
     per_tensor = false_alarm / max(len(plan), 1)  # Bonferroni: family-wise over the comparison
     restarted = samples_restart(noisy_readers)
-    routes = {s: makes_topk_choice(ref, s) for s in wanted} if restarted else {}
+    shared = shared_start_steps(ref, cand, noisy_readers, wanted, restarted)
+    routes = {s: makes_topk_choice(ref, s) for s in wanted} if restarted or shared else {}
+    same_arithmetic: set[tuple[int, str, int, int]] = set()
     bar = _progress(len(plan), progress)
     rows = []
     changed: dict[tuple[int, str, int, int], ChoiceChange] = {}  # top-k choices that differ, per module call
@@ -636,6 +664,9 @@ def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str
         ref_t, ref_e = _reference_record(ref, s, ref_ents)
         noisy = _noise_samples(noisy_readers, noise_es, s, ref_e, ref_t)
         cap = few_sources(k.phase, restarted, routes.get(s, False))
+        elements = elementwise and element_statistic_applies(k.phase, s in shared, routes.get(s, False))
+        if all(e.meta.get(SAME_ARITHMETIC_META) is True for e in cand_entries.values()):
+            same_arithmetic.add((s, k.name, k.microbatch, k.call))
         if cand.manifest(s, next(iter(cand_entries)))["mode"] == "stats":
             rows.append(check_stats_only(s, k, ref_e, ref_t, cand_entries, noisy, per_tensor, few_sources=cap))
         else:
@@ -643,7 +674,7 @@ def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str
 
             def judge(c: torch.Tensor) -> TensorCheck:  # called in this iteration only
                 return check_routed(s, k, ref_e, ref_t, c, notes, noisy, per_tensor, cand_entries, changed,
-                                    block_scale, few_sources=cap)
+                                    block_scale, few_sources=cap, elementwise=elements)
             row = downstream_of_choices(judge(cand_t), ref_e.meta, changed)
             rows.append(without_sign_flips(row, ref_t, cand_t, lambda: _gradients(ref, cand, s, k.name, indexes[s]),
                                            judge))
@@ -651,6 +682,8 @@ def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str
             bar.update(1)
     if bar is not None:
         bar.close()
+    if exact_unchanged:
+        apply_exactness(rows, same_arithmetic, shared)
     coverage = mark_unmodelled(rows, [[e for d in p[4] for e in (d or {}).values()] for p in plan], noisy_readers,
                                accept_unmodelled)
     first = next((r for r in rows if r.status not in (Status.OK, Status.UNCHECKED, Status.UNMODELLED)), None)

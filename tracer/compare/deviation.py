@@ -25,7 +25,11 @@ trace stores, per tensor, the float64 triple
 
 After the triple come, where the block-scale statistic applies (:func:`block_scale_applies`),
 the sample's block coordinates ``y_s`` (:func:`tracer.compare.blockscale.block_scales`, at most 16 values),
-from which that statistic's threshold is computed as from whole samples. The thresholds are
+from which that statistic's threshold is computed as from whole samples; then, for the tensors
+recorded before the optimizer update, the sample's
+:class:`~tracer.compare.elementwise.ElementSummary` (``1 + R + C`` values: its largest
+standardised excess and the margins of ``d_s^2``), from which the element statistic is computed
+as from whole samples. The entry's :data:`DEVIATION_FIELD` says how many of each follow. The thresholds are
 those of the whole samples up to rounding (the sums are float64), each sample's trace stays
 self-contained, and a comparison reads at most ``152 S`` bytes per tensor instead of ``S``
 tensors. :class:`MomentWriter` is that sample's writer.
@@ -48,11 +52,12 @@ import torch
 
 from tracer.compare.blockscale import block_grid, block_scales
 from tracer.compare.decisions import TOPK_CONSUMER_META, TOPK_META
+from tracer.compare.elementwise import ElementSummary, summarize, view_rows
 from tracer.errors import TraceError
-from tracer.trace.schema import Entry, Phase, RecordKey
+from tracer.trace.schema import PRE_UPDATE_PHASES, Entry, Phase, RecordKey
 from tracer.trace.store import TraceReader, TraceWriter
 
-__all__ = ["DEVIATION_FIELD", "DeviationOf", "MomentAccumulator", "MomentWriter", "SampleMoments",
+__all__ = ["BLOCKS_FIELD", "DEVIATION_FIELD", "ELEMENT_ROWS_FIELD", "DeviationOf", "MomentAccumulator", "MomentWriter", "SampleMoments",
            "StorageRoundingExcess", "block_scale_applies", "combined_moments", "storage_rounding_allowance",
            "storage_rounding_excess", "stored_rounded", "work_dtype"]
 
@@ -60,6 +65,11 @@ __all__ = ["DEVIATION_FIELD", "DeviationOf", "MomentAccumulator", "MomentWriter"
 #: the ``sample`` index (``c`` sums over the samples before it); the entry's own ``dtype``/``shape``
 #: describe what the file holds: float64 ``[3]`` = z, q, c
 DEVIATION_FIELD = "deviation_moments_of"
+
+#: fields of :data:`DEVIATION_FIELD`: how many block coordinates follow the moments, and the rows of the
+#: :class:`~tracer.compare.elementwise.ElementSummary` after them (absent: none stored)
+BLOCKS_FIELD = "blocks"
+ELEMENT_ROWS_FIELD = "element_rows"
 
 #: stored dtypes whose comparison arithmetic runs in float32 (:func:`work_dtype`)
 _FLOAT32_WORK = (torch.float32, torch.bfloat16, torch.float16)
@@ -274,10 +284,15 @@ class MomentWriter(TraceWriter):
         work = work_dtype(ref.dtype, tensor.dtype)
         dev = DeviationOf(ref.to(work), ref.dtype, entry["phase"])
         d = dev(tensor.to("cpu"))
-        values = self.acc.moments(key, d)
-        if block_scale_applies(entry["phase"], ref):
-            values = torch.cat([values, block_scales(dev.ref, d, work, deviation=True)])
+        parts = [self.acc.moments(key, d)]
         of = {"dtype": entry["dtype"], "shape": entry["shape"], "sample": self.sample}
+        if block_scale_applies(entry["phase"], ref):
+            parts.append(block_scales(dev.ref, d, work, deviation=True))
+            of[BLOCKS_FIELD] = int(parts[-1].numel())
+        if entry["phase"] in PRE_UPDATE_PHASES and d.numel():
+            parts.append(summarize(d, dev.ref, ref.dtype).flat())
+            of[ELEMENT_ROWS_FIELD] = view_rows(d.shape)[0]
+        values = torch.cat(parts)
         stored = dict(entry, dtype="float64", shape=[values.numel()], **{DEVIATION_FIELD: of})
         return stored, values
 
@@ -289,6 +304,7 @@ class SampleMoments:
     z: list[float]   # ||d_s||^2 per sample
     m_sq: float      # ||sum_s d_s^2||^2
     blocks: list[torch.Tensor] | None = None  # block coordinates y_s per sample (tracer.compare.blockscale), if stored
+    elements: list[ElementSummary] | None = None  # per sample, for the element statistic (tracer.compare.elementwise)
 
 
 def combined_moments(entries: list[Entry], stored: list[torch.Tensor], ref_entry: Entry,
@@ -312,6 +328,11 @@ def combined_moments(entries: list[Entry], stored: list[torch.Tensor], ref_entry
                          "3 moments and the same block coordinates in every sample (a corrupt or mixed set)",
                          path=where, step=step, tensor=name)
     zqc = [stored[i][:3].tolist() for i in order]
-    blocks = [stored[i][3:] for i in order] if stored[0].numel() > 3 else None
+    layout = of[order[0]]
+    # a trace from before the element summaries holds the block coordinates alone after the moments
+    nb = int(layout.get(BLOCKS_FIELD, 0 if ELEMENT_ROWS_FIELD in layout else stored[0].numel() - 3))
+    blocks = [stored[i][3:3 + nb] for i in order] if nb > 0 else None
+    rows = layout.get(ELEMENT_ROWS_FIELD)
+    elements = [ElementSummary.from_flat(stored[i][3 + nb:], int(rows)) for i in order] if rows is not None else None
     return SampleMoments([z for z, _, _ in zqc], math.fsum(q for _, q, _ in zqc) + 2 * math.fsum(c for _, _, c in zqc),
-                         blocks)
+                         blocks, elements)

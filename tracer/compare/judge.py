@@ -30,6 +30,7 @@ from tracer.compare.decisions import TOPK_CONSUMER_META, TOPK_META, ChoiceChange
 from tracer.compare.deviation import (DeviationOf, SampleMoments, block_scale_applies, storage_rounding_allowance,
                                       storage_rounding_excess, stored_rounded, work_dtype)
 from tracer.compare.difference import difference_norms
+from tracer.compare.elementwise import element_test, summarize
 from tracer.compare.thresholds import deviation_threshold, moments_threshold, noise_threshold, unmodelled_threshold
 from tracer.trace.canonical import shard
 from tracer.trace.schema import INVARIANT_PHASES, Entry, Phase, RecordKey, Status
@@ -65,6 +66,14 @@ class TensorCheck:
     scale_threshold: float = math.nan  # its threshold
     cand_norm: float = math.nan        # ||cand||_2, measured for a tensor not ok (NaN: not measured);
                                        # cand_norm / ref_norm is a uniform rescaling's factor (localisation)
+    element_ratio: float = math.nan    # the element statistic's max_i |e_i| / T_i (tracer.compare.elementwise);
+                                       # NaN: not tested
+    element_index: int = -1            # flat index of the element that sets it
+
+    @property
+    def by_element(self) -> bool:
+        """Is the element statistic the one that sets :attr:`ratio`?"""
+        return self.element_ratio >= self.ratio
 
     @property
     def by_scale(self) -> bool:
@@ -114,10 +123,13 @@ def _max_abs(x: torch.Tensor) -> float:
 def check_tensor(step: int, key: RecordKey, ref_e: Entry, ref_t: torch.Tensor, cand_t: torch.Tensor,
                notes: list[str], noisy: "list[torch.Tensor] | SampleMoments", false_alarm: float,
                cand_entries: dict[int, Entry], work: torch.dtype | None = None, *,
-               block_scale: bool = True, few_sources: bool = True) -> TensorCheck:
+               block_scale: bool = True, few_sources: bool = True, elementwise: bool = False) -> TensorCheck:
     """The verdict on one tensor (module doc); ``noisy``: the noise samples, whole or as their
     moments (:mod:`tracer.compare.deviation`); ``few_sources``: the thresholds' degrees of freedom are
-    also capped by the samples' spread (:func:`few_sources`).
+    also capped by the samples' spread (:func:`few_sources`); ``elementwise``: also test the
+    element statistic (:mod:`tracer.compare.elementwise`) where the samples carry what it needs
+    (stored whole, or as moments with their element summaries) and moved the tensor. The tensor's false-alarm probability is split evenly over the
+    statistics tested (Bonferroni).
 
     Arithmetic runs in ``work``: by default float32 for tensors stored in fp32/bf16/fp16 (half
     the memory traffic of float64, :func:`~tracer.compare.deviation.work_dtype`), float64 otherwise,
@@ -134,7 +146,7 @@ def check_tensor(step: int, key: RecordKey, ref_e: Entry, ref_t: torch.Tensor, c
                                 float(torch.linalg.vector_norm(ref_t.double().reshape(-1))), notes)
     if work is None and work_dtype(ref_t.dtype, cand_t.dtype) == torch.float32:
         row = check_tensor(step, key, ref_e, ref_t, cand_t, notes, noisy, false_alarm, cand_entries, torch.float32,
-                         block_scale=block_scale, few_sources=few_sources)
+                         block_scale=block_scale, few_sources=few_sources, elementwise=elementwise)
         if row.status == Status.NONFINITE or not any(map(math.isinf, (row.error, row.threshold, row.ref_norm))):
             return row  # else a float32 overflow: again in float64
     work = torch.float64 if work is None else work
@@ -180,7 +192,9 @@ def check_tensor(step: int, key: RecordKey, ref_e: Entry, ref_t: torch.Tensor, c
     if not noisy:
         return TensorCheck(**base, status=Status.UNCHECKED, error=error, threshold=math.nan, ratio=math.nan,
                            max_abs=max_abs, ref_norm=ref_norm, note="no noise sample traced this tensor")
-    q = false_alarm / 2 if blocks else false_alarm
+    elements = elementwise and ref_t.is_floating_point() and ref_t.numel() > 0 and bool(
+        noisy.elements if isinstance(noisy, SampleMoments) else noisy)
+    q = false_alarm / (1 + blocks + elements)
     if isinstance(noisy, SampleMoments):
         th = moments_threshold(noisy.z, noisy.m_sq, q, few_sources=few_sources)
         sample_blocks = noisy.blocks if blocks else None
@@ -191,10 +205,18 @@ def check_tensor(step: int, key: RecordKey, ref_e: Entry, ref_t: torch.Tensor, c
     if th.threshold == 0.0 and ref_t.is_floating_point():
         th = unmodelled_threshold(deviation().ref, ref_t.dtype)
         sample_blocks = None  # no sample moved it: the norm statistic's ulp threshold decides alone
+        elements = False
     ratio, scale_error, scale_threshold = verdict_ratio(
         error, th.threshold, sample_blocks,
         lambda: cand_blocks if norms is not None else block_scales(deviation().ref, deviation().part(cand_t), work), q,
         few_sources=few_sources)
+    element = None
+    if elements:
+        d = deviation()
+        summaries = (noisy.elements if isinstance(noisy, SampleMoments)
+                     else [summarize(x, d.ref, ref_t.dtype) for x in devs])
+        element = element_test(d.part(cand_t) - d.ref, summaries, d.ref, ref_t.dtype, q)
+        ratio = max(ratio, element.ratio)
     status = Status.OVER if ratio > 1 else Status.OK
     note = "; ".join(notes)
     if notes:
@@ -202,12 +224,15 @@ def check_tensor(step: int, key: RecordKey, ref_e: Entry, ref_t: torch.Tensor, c
     worst, cand_norm = [], math.nan
     if status != Status.OK and ref_t.numel():
         d = deviation()
-        worst = _worst_ranks(tuple(ref_t.shape), int((d.part(cand_t) - d.ref).abs().reshape(-1).argmax()),
-                             cand_entries)
+        at = element.index if element is not None and element.ratio >= ratio else \
+            int((d.part(cand_t) - d.ref).abs().reshape(-1).argmax())
+        worst = _worst_ranks(tuple(ref_t.shape), at, cand_entries)
         cand_norm = float(torch.linalg.vector_norm(d.part(cand_t)))
     return TensorCheck(**base, status=status, error=error, threshold=th.threshold, ratio=ratio, max_abs=max_abs,
                        ref_norm=ref_norm, n_eff=th.n_eff, factor=th.factor, worst_ranks=worst, note=note,
-                       scale_error=scale_error, scale_threshold=scale_threshold, cand_norm=cand_norm)
+                       scale_error=scale_error, scale_threshold=scale_threshold, cand_norm=cand_norm,
+                       element_ratio=element.ratio if element else math.nan,
+                       element_index=element.index if element else -1)
 
 
 def _check_invariant(base: dict[str, Any], error: float, ref_norm: float, notes: list[str]) -> TensorCheck:
@@ -222,7 +247,7 @@ def check_routed(step: int, key: RecordKey, ref_e: Entry, ref_t: torch.Tensor, c
                   notes: list[str], noisy: "list[torch.Tensor] | SampleMoments", false_alarm: float,
                   cand_entries: dict[int, Entry],
                   changed: dict[tuple[int, str, int, int], ChoiceChange], block_scale: bool = True,
-                  few_sources: bool = True) -> TensorCheck:
+                  few_sources: bool = True, elementwise: bool = False) -> TensorCheck:
     """:func:`check_tensor` with top-k choices (:mod:`tracer.compare.decisions`): a module's scores,
     when within threshold, record in ``changed`` which tokens' choices differ; the scores'
     gradient and the tensors that consume the choice leave those tokens out (a consumer
@@ -237,20 +262,22 @@ def check_routed(step: int, key: RecordKey, ref_e: Entry, ref_t: torch.Tensor, c
             mask = change.left_out
             row = check_tensor(step, key, ref_e, without_choices(ref_t, mask), without_choices(cand_t, mask), notes,
                              [without_choices(n, mask) for n in noisy], false_alarm, cand_entries,
-                             block_scale=block_scale, few_sources=few_sources)
+                             block_scale=block_scale, few_sources=few_sources,
+                             elementwise=elementwise)
             row.note = "; ".join(x for x in (row.note, f"{int(mask.sum())} token(s) left out: their top-k choice "
                                                        "legitimately differs (tracer.compare.decisions)") if x)
             return row
         if change.in_candidate:
             row = check_tensor(step, key, ref_e, ref_t, cand_t, notes, noisy, false_alarm, cand_entries,
-                             block_scale=block_scale, few_sources=few_sources)
+                             block_scale=block_scale, few_sources=few_sources,
+                             elementwise=elementwise)
             if row.status in (Status.OK, Status.OVER):
                 _not_compared(row, f"it depends on the top-k choice of {scores_of}, which legitimately differs on "
                                    f"{change.in_candidate} token(s) of this microbatch, and has no token rows to "
                                    "leave them out")
             return row
     row = check_tensor(step, key, ref_e, ref_t, cand_t, notes, noisy, false_alarm, cand_entries, block_scale=block_scale,
-                     few_sources=few_sources)
+                     few_sources=few_sources, elementwise=elementwise)
     topk = meta.get(TOPK_META)
     if topk and key[0] == Phase.FWD and row.status == Status.OK and noisy:
         change = choice_changes(ref_t, cand_t, noisy, topk["k"], topk["dim"])

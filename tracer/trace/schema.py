@@ -40,7 +40,7 @@ import orjson
 from tracer.trace.canonical import Placement
 
 __all__ = ["CARRIED_PHASES", "CHECKED_PHASES", "Entry", "INVARIANT_PHASES", "OPTIMIZER_STATE_PHASES",
-           "PRE_UPDATE_PHASES", "Phase", "RecordKey", "Status"]
+           "PRE_UPDATE_PHASES", "Phase", "RecordKey", "SAME_ARITHMETIC_META", "Status"]
 
 
 class Phase(str, enum.Enum):
@@ -75,6 +75,11 @@ OPTIMIZER_STATE_PHASES = frozenset({Phase.MAIN_PARAM, Phase.EXP_AVG, Phase.EXP_A
 #: never compared (:mod:`tracer.compare.check`): the optimizer's state and a run's own (phase
 #: ``state``, e.g. FP8 amax histories)
 CARRIED_PHASES = OPTIMIZER_STATE_PHASES | {Phase.STATE}
+#: record meta an adapter sets on the records of a module whose *forward* computes each output
+#: element as a single-device run of the same model does: its layout splits no reduction inside it
+#: (:mod:`tracer.compare.exactness`)
+SAME_ARITHMETIC_META = "same_forward_arithmetic"
+
 #: records of an invariant that every correct run, reference or candidate, satisfies exactly
 #: (capture ``cast``: the model parameters are the cast of their fp32 main copies): compared
 #: bitwise, the noise samples left out (they perturb the very values the invariant relates)

@@ -1,0 +1,227 @@
+r"""The element statistic: each element's difference against its own legitimate scale.
+
+The norm statistic (:mod:`tracer.compare.thresholds`) and the block-scale statistic
+(:mod:`tracer.compare.blockscale`) add a difference up over the whole tensor or over blocks of
+it; one wrong element of ``N`` raises the norm by ``|delta x_j|^2`` against ``N`` elements'
+worth of legitimate difference, so it must grow ~``sqrt(N)`` times the legitimate scale
+before either sees it. This statistic looks at every element against a scale of its own.
+
+**Definition.** View the tensor as ``R x C`` (the last dimension against all others; a 1-D
+tensor as one row). Each noise sample ``s`` is summarised by the margins of its squared
+deviation, ``rho_{s,r} = sum_c d_{s,rc}^2`` and ``kappa_{s,c} = sum_r d_{s,rc}^2``
+(:class:`ElementSummary`, ``R + C`` numbers), and the element's legitimate scale is the rank-1
+fit of the samples' mean square
+
+.. math::
+
+    w_{rc}^2 = \frac{\bar\rho_r\, \bar\kappa_c}{\bar\tau}, \qquad
+    \bar\rho = \frac{1}{S C} \sum_s \rho_s,\;\; \bar\kappa = \frac{1}{S R} \sum_s \kappa_s,\;\;
+    \bar\tau = \frac{1}{S R C} \sum_s \sum_r \rho_{s,r}
+
+(one row or one column: the mean square of the whole tensor; row mean times column mean over
+the total mean: the variance of a GEMM's result
+``y_rc = sum_k a_rk b_kc`` has this product form when the rounding of every term scales with
+``|a_rk||b_kc|``, and the same holds, to first order, for the difference propagated through
+one). It pools ``S (R + C)`` values where one element's own mean square has ``S``. An element
+whose spread is not of this form shows in the tail scale below.
+
+**Storage allowance.** Two runs store ``fl(a)`` and ``fl(b)`` of the values they computed, and
+``|fl(a) - fl(b)| <= |a - b| + a_i`` with ``a_i`` one unit in the last place of the larger of
+the two in the stored format (half an ulp each): a bf16 activation of two correct runs is often
+one ulp apart where their real values differ by far less. The statistic tests the excess
+``(|e_i| - a_i)_+`` (the samples' ``(|d_{s,i}| - a_{s,i})_+`` alike), so the ulp is allowed once,
+additively, rather than as a variance that the tail quantile multiplies.
+
+**Tail scale.** Legitimate differences are not Gaussian element by element (storage roundings
+are discrete, one element's error model differs from its row's), and ``S`` samples cannot
+estimate an element's tail. Each sample does show how heavy the tail is at the ``1/N`` level:
+its excess standardised by the rank-1 fit of its *own* margins with the element itself left
+out (``rho_r - d_rc^2``, ``kappa_c - d_rc^2``, ``tau - d_rc^2``, so an outlier does not hide
+in its own row and column; where the rest of its row or column is zero, the tensor's mean
+square without it),
+``L_s = max_i (|d_{s,i}| - a_{s,i})_+ / w^{(s,-i)}_i``, is a draw of the largest of ``N``
+standardised legitimate differences, which for Gaussian elements has median ``z_med =
+Phi^{-1}(1 - ln 2 / (2N))`` (a one-sample fit is noisier than the pooled one, which makes
+``L_s`` larger: conservative). The tail scale is ``sigma = max(1, max_s L_s / z_med)``: 1 when the
+samples' largest values are no heavier than Gaussian, larger in proportion when they are.
+
+**Threshold.** Element ``i`` is over when ``|e_i| > a_i + sigma z_q w_i``, ``z_q = Phi^{-1}(1 -
+q / (2N))``; the statistic is ``max_i (|e_i| - a_i)_+ / (sigma z_q w_i)``. Under the model
+(``(|e_i| - a_i)_+ / (sigma w_i)`` no heavier-tailed than a standard normal's magnitude beyond the
+level the samples show) each element exceeds its threshold with probability ``<= q / N``, the
+tensor with probability ``<= q`` (Bonferroni over the elements, as the checker splits its
+comparison's probability over tensors). The model is stated, not proven: it is checked by the
+clean comparisons of the detection and sensitivity benchmarks (``docs/detection-statistics.md``),
+where the largest clean ratio is reported.
+
+**Samples stored as moments.** A sample's summary is ``R + C + 1`` numbers, computed where
+the sample is traced (:class:`tracer.compare.deviation.MomentWriter`) from its deviation, as
+the comparison computes it from a sample stored whole: both modes give the same statistic.
+
+**Where it applies** (:func:`element_statistic_applies`): on the tensors a step records before
+its optimizer update when the candidate and every noise sample started that step from the
+reference's parameters (the first step of a comparison, or every step of a re-synchronised
+reference, :mod:`tracer.capture.resync`), and the step makes no top-k choice. After an update a
+correct run differs from the reference by Adam's discrete sign flips (``lr sign(g)`` of the
+elements whose gradient is within round-off of zero), a few large element differences that
+four samples reproduce elementwise no better than chance: measured on the sensitivity
+benchmark's own-trajectory steps 1-2 (bf16), the statistic with this scale would flag 4 clean
+parameter gradients of step 1 (up to 1.55x), where at step 0, and at every step of the
+re-synchronised comparison, the largest clean ratio is 0.45 (``docs/detection-statistics.md``). Cost: a few elementwise passes per sample (where it is traced, or at the comparison for samples
+stored whole) and two for the candidate; ``R + C + 1`` numbers per sample and tensor on disk.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from tracer.trace.schema import PRE_UPDATE_PHASES
+
+__all__ = ["ElementSummary", "ElementTest", "element_statistic_applies", "element_test", "pooled_scale",
+           "storage_allowance", "summarize", "view_rows"]
+
+
+_FLOAT64_MAX = torch.finfo(torch.float64).max
+
+
+@dataclass(frozen=True)
+class ElementTest:
+    """The element statistic of one tensor (module doc)."""
+
+    ratio: float        # max_i (|e_i| - a_i)_+ / (sigma z w_i)
+    index: int          # flat index of the element that sets it
+    tail_scale: float   # sigma
+    z: float            # z_q
+    threshold: float    # a_i + sigma z w_i at that element
+
+
+@dataclass(frozen=True)
+class ElementSummary:
+    """What the element statistic keeps of one noise sample (module doc): the margins of its
+    squared deviation over the ``R x C`` view and its largest standardised excess ``L_s``."""
+
+    rows: torch.Tensor   # rho_r = sum_c d_rc^2, float64 [R]
+    cols: torch.Tensor   # kappa_c = sum_r d_rc^2, float64 [C]
+    largest: float       # L_s
+
+    def flat(self) -> torch.Tensor:
+        """``[L_s, rho..., kappa...]`` (float64), as a sample stored as moments keeps it; an infinite
+        ``L_s`` as the largest float64 (a trace's finite values are checked as such)."""
+        largest = min(self.largest, _FLOAT64_MAX)
+        return torch.cat([torch.tensor([largest], dtype=torch.float64), self.rows, self.cols])
+
+    @staticmethod
+    def from_flat(values: torch.Tensor, rows: int) -> "ElementSummary":
+        """The inverse of :meth:`flat` for a tensor of ``rows`` rows."""
+        largest = float(values[0])
+        return ElementSummary(values[1:1 + rows].double(), values[1 + rows:].double(),
+                              math.inf if largest >= _FLOAT64_MAX else largest)
+
+
+def element_statistic_applies(phase: str, shared_start: bool, discrete: bool) -> bool:
+    """Whether the element statistic tests a tensor of ``phase`` (module doc, "Where it applies"):
+    recorded before the step's optimizer update, in a step that the candidate and the samples
+    began from the reference's parameters (``shared_start``), without a top-k choice (``discrete``)."""
+    return shared_start and not discrete and phase in PRE_UPDATE_PHASES
+
+
+def view_rows(shape: tuple[int, ...] | list[int] | torch.Size) -> tuple[int, int]:
+    """``(R, C)`` of a tensor's ``R x C`` view: the last dimension against all others (1-D: one
+    row; 0-D: ``1 x 1``)."""
+    shape = tuple(shape)
+    if len(shape) <= 1:
+        return 1, (shape[0] if shape else 1)
+    c = shape[-1]
+    return (math.prod(shape) // c if c else 0), c
+
+
+def _as_rows(x: torch.Tensor) -> torch.Tensor:
+    return x.reshape(view_rows(x.shape))
+
+
+def storage_allowance(ref: torch.Tensor, diff: torch.Tensor, stored: torch.dtype) -> torch.Tensor:
+    """``a_i``: one unit in the last place, in the stored format, of the larger of ``|r_i|`` and
+    ``|x_i| = |r_i + diff_i|`` (bounded by ``|r_i| + |diff_i|``): two values stored by rounding
+    differ by at most the difference of what was rounded plus half an ulp of each (float64)."""
+    from ttrace_num.formats import get_format, half_ulp
+    return 2 * half_ulp(ref.detach().double().abs() + diff.detach().double().abs(), get_format(stored))
+
+
+def _excess(x: torch.Tensor, ref: torch.Tensor, stored: torch.dtype) -> torch.Tensor:
+    """``(|x_i| - a_i)_+``: a difference beyond its storage allowance."""
+    return (x.abs() - storage_allowance(ref, x, stored)).clamp_min_(0.0)
+
+
+def _ratio_to(excess: torch.Tensor, scale_sq: torch.Tensor) -> torch.Tensor:
+    """``excess / sqrt(scale_sq)``, infinite where the scale is 0 and the excess is not."""
+    return torch.where(scale_sq > 0, excess / scale_sq.clamp_min(0.0).sqrt(), torch.where(excess == 0, 0.0, math.inf))
+
+
+def summarize(deviation: torch.Tensor, ref: torch.Tensor, stored: torch.dtype) -> ElementSummary:
+    """A noise sample's :class:`ElementSummary` from its deviation ``d`` from the reference
+    ``ref`` (stored in ``stored``): the margins of ``d^2`` and ``L_s`` against the rank-1 fit of
+    its own margins with each element left out (module doc, "Tail scale")."""
+    d = _as_rows(deviation.detach().double())
+    r, c = d.shape
+    sq = d * d
+    rows, cols = sq.sum(1), sq.sum(0)
+    total = float(rows.sum())
+    # the fit at (r, c) without the element: (rho_r - d^2)/(C-1) * (kappa_c - d^2)/(R-1) / ((tau - d^2)/(N-1));
+    # a dimension of length 1 pools nothing: its margin is the element itself, left as the whole mean
+    row_mean = (rows[:, None] - sq) / (c - 1) if c > 1 else None
+    col_mean = (cols[None, :] - sq) / (r - 1) if r > 1 else None
+    mean = (total - sq) / max(r * c - 1, 1)
+    if row_mean is None and col_mean is None:
+        fit = torch.zeros_like(sq)  # one element: no other to pool
+    elif row_mean is None or col_mean is None:
+        fit = mean
+    else:  # where the rest of its row or column is 0 the product carries nothing: the tensor's mean square
+        fit = torch.where((row_mean > 0) & (col_mean > 0),
+                          row_mean * col_mean / mean.clamp_min(torch.finfo(torch.float64).tiny), mean)
+    largest = float(_ratio_to(_excess(d, _as_rows(ref), stored), fit).max()) if d.numel() else 0.0
+    return ElementSummary(rows, cols, largest)
+
+
+def pooled_scale(summaries: list[ElementSummary]) -> torch.Tensor:
+    """``w^2`` (``R x C``, float64): the rank-1 fit of the samples' mean square from their margins."""
+    rows = torch.stack([s.rows for s in summaries]).mean(0)
+    cols = torch.stack([s.cols for s in summaries]).mean(0)
+    r, c = rows.numel(), cols.numel()
+    total = float(rows.sum()) / (r * c)
+    if total <= 0:
+        return torch.zeros(r, c, dtype=torch.float64)
+    if r == 1 or c == 1:  # one row or one column: no structure to fit, the tensor's mean square
+        return torch.full((r, c), total, dtype=torch.float64)
+    return (rows / c)[:, None] * (cols / r)[None, :] / total
+
+
+def _normal_quantile(p: float) -> float:
+    """``Phi^{-1}(1 - p)`` for small ``p``."""
+    from scipy.special import ndtri
+    return float(-ndtri(p))
+
+
+def element_test(diff: torch.Tensor, summaries: list[ElementSummary], ref: torch.Tensor, stored: torch.dtype,
+                 false_alarm: float) -> ElementTest:
+    """The element statistic (module doc) of the difference ``diff = cand - ref`` given the noise
+    samples' :class:`ElementSummary` (:func:`summarize`), the reference ``ref`` and the dtype it
+    was stored in, at per-tensor probability ``false_alarm``."""
+    if not summaries:
+        raise ValueError("the element statistic needs the summaries of the noise samples")
+    e = _as_rows(diff.detach().double())
+    n = max(e.numel(), 1)
+    z_med = _normal_quantile(math.log(2) / (2 * n))
+    tail = max(1.0, max(s.largest for s in summaries) / z_med)
+    z = _normal_quantile(false_alarm / (2 * n))
+    if math.isinf(tail):  # a sample moved an element none of its row and column did: no tail bound
+        return ElementTest(0.0, 0, tail, z, math.inf)
+    scale_sq = pooled_scale(summaries)
+    stat = _ratio_to(_excess(e, _as_rows(ref), stored), scale_sq).reshape(-1)
+    if not stat.numel():
+        return ElementTest(0.0, 0, tail, z, 0.0)
+    i = int(stat.argmax())
+    threshold = (float(storage_allowance(_as_rows(ref), e, stored).reshape(-1)[i])
+                 + tail * z * float(scale_sq.reshape(-1)[i].sqrt()))
+    return ElementTest(float(stat[i]) / (tail * z), i, tail, z, threshold)
