@@ -659,3 +659,198 @@ def _gelu_backward(model, config, optimizer):
             (x,) = ctx.saved_tensors
             return torch.ops.aten.gelu_backward(g, x, approximate="tanh")
     return _shadow(mods, "activation_func", lambda m: GeluTanhBackward.apply)
+
+
+# --- subtle precision bugs, written blind (issue 34): a few ulps lost where megatron-core keeps
+# more precision, not a wrong formula. Each acts only on a bf16 run (where the bf16 rounding is
+# not already the run's own); the declared first divergence was written before the detector ran ---
+
+def _ddp_chunks(model: Any) -> list:
+    """The DDP-wrapped model chunks of this rank (one without virtual pipelining)."""
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+def _bf16_round_trip(t: Any) -> None:
+    """Round ``t`` (an fp32 buffer) to bf16 and back, in place."""
+    import torch
+    with torch.no_grad():
+        t.copy_(t.to(torch.bfloat16))
+
+
+@bug("microbatch_grads_accumulated_in_bf16", catalogue="-", bug_class="precision lost (accumulation in bf16)",
+     needs={"tp": 2}, expected_phase="grad_local", expected_name="*",
+     doc="the gradients of the microbatches are accumulated in bf16: after every microbatch's backward "
+         "the fp32 main-grad buffer, into which the DDP hooks just added that microbatch's bf16 "
+         "param grads, goes through a bf16 round trip (as a grad buffer kept in the params' dtype "
+         "would), so every partial sum from the second microbatch on loses its bits below bf16. "
+         "Forward, loss and activation grads are untouched (the buffer feeds nothing in the step); "
+         "the first tensor that can differ is the accumulated grad each rank contributes "
+         "(grad_local), on any parameter")
+def _microbatch_bf16(model, config, optimizer):
+    from megatron.core.pipeline_parallel import schedules
+    if not config.bf16:
+        return lambda: None
+    buffers = [b for c in _ddp_chunks(model) for b in _ddp_buffers(c)]
+    orig = schedules.backward_step
+
+    def accumulating_in_bf16(*args, **kwargs):
+        out = orig(*args, **kwargs)
+        for b in buffers:
+            _bf16_round_trip(b.grad_data)
+        return out
+    return _replace(schedules, "backward_step", accumulating_in_bf16)
+
+
+@bug("softmax_without_max_subtraction_bf16", catalogue="-", bug_class="precision lost (softmax in bf16)",
+     needs={"tp": 2}, expected_phase="fwd",
+     expected_name="decoder.layers.0.self_attention.core_attention.scale_mask_softmax.output*",
+     doc="the attention softmax of a bf16 run is computed in bf16 as exp(x) / sum(exp(x)), without "
+         "subtracting the row maximum and without the fp32 upcast megatron's "
+         "`attention_softmax_in_fp32` asks for: exp(x), its row sum and the quotient are each rounded to "
+         "bf16 (the scores are small here, so nothing overflows: exp(x) ~ 1 carries only 2^-8 of "
+         "relative precision). The scores going in agree; the first wrong tensor is the softmax "
+         "output of layer 0, on every TP rank")
+def _softmax_bf16(model, config, optimizer):
+    import torch
+    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+    mods = _modules(model, FusedScaleMaskSoftmax)
+
+    def naive(m):
+        def forward(input, mask, softmax_offset=None):
+            if input.dtype != torch.bfloat16 or softmax_offset is not None or m.window_size is not None:
+                return FusedScaleMaskSoftmax.forward(m, input, mask, softmax_offset)
+            x = input * m.scale if m.scale is not None else input
+            if mask is not None:
+                x = x.masked_fill(mask, -10000.0)  # megatron's attention_mask_func, not in place
+            e = torch.exp(x)                       # bf16 throughout, no max subtracted
+            return e / e.sum(dim=-1, keepdim=True)
+        return forward
+    return _shadow(mods, "forward", naive)
+
+
+@bug("dp_rank_reduces_grads_in_bf16", catalogue="-", bug_class="precision lost (reduction in bf16)",
+     needs={"dp": 2}, expected_phase="grad", expected_name="embedding.word_embeddings.weight",
+     doc="DP rank 1 reduces its gradients in bf16 instead of fp32 (`grad_reduce_in_fp32` lost on one "
+         "rank's config path): its contribution enters the all-reduce / reduce-scatter rounded to bf16, "
+         "and its copy of the reduced grads is kept in bf16. The local grads agree; the reduced grads "
+         "of DP rank 1 are the bf16 rounding of DP rank 0's, so the DP replicas of the first reduced "
+         "grad (the tied word embedding's, first in the parameters' order) disagree bitwise")
+def _dp_bf16(model, config, optimizer):
+    from megatron.core import parallel_state as ps
+    if not config.bf16 or ps.get_data_parallel_rank() != 1:
+        return lambda: None
+    groups = [g for c in _ddp_chunks(model)
+              for g in list(getattr(c, "bucket_groups", [])) + list(getattr(c, "expert_parallel_bucket_groups", []))]
+    if not groups:
+        raise ValueError("bug needs the DistributedDataParallel-wrapped model (no bucket groups found)")
+
+    def in_bf16(group):
+        orig = type(group).start_grad_sync
+
+        def start_grad_sync(*args, **kwargs):
+            for b in group.buckets:  # what this rank sends...
+                _bf16_round_trip(b.grad_data)
+            out = orig(group, *args, **kwargs)  # synchronous: overlap_grad_reduce is off
+            for b in group.buckets:  # ...and what it keeps
+                _bf16_round_trip(b.grad_data)
+            return out
+        return start_grad_sync
+    return _shadow(groups, "start_grad_sync", in_bf16)
+
+
+@bug("rotary_angles_computed_in_bf16", catalogue="-", bug_class="precision lost (table in bf16)",
+     needs={"tp": 2}, expected_phase="fwd", expected_name="rotary_pos_emb.output*",
+     doc="the rotary table of a bf16 run is computed in the params' dtype: positions and inverse "
+         "frequencies are cast to bf16 and their outer product (the angles) is rounded to bf16 before "
+         "being upcast again (an `inv_freq` converted by a model-wide `.bfloat16()`). Each angle is off by "
+         "up to half a bf16 ulp of its own size plus the inverse frequency's rounding (up to ~0.03 rad "
+         "at position 31). The rotary module's output, computed before the first layer, is the first "
+         "wrong tensor")
+def _rotary_bf16(model, config, optimizer):
+    import torch
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    mods = _modules(model, RotaryEmbedding)
+    if not config.bf16:
+        return lambda: None
+
+    def in_bf16(m):
+        def get_freqs_non_repeated(max_seq_len, offset=0):
+            dtype = m.inv_freq.dtype
+            seq = torch.arange(max_seq_len, device=m.inv_freq.device, dtype=torch.bfloat16) + offset
+            if m.seq_len_interpolation_factor is not None:
+                seq *= 1 / m.seq_len_interpolation_factor
+            return torch.outer(seq, m.inv_freq.to(torch.bfloat16)).to(dtype)
+        return get_freqs_non_repeated
+    return _shadow(mods, "get_freqs_non_repeated", in_bf16)
+
+
+@bug("loss_averaged_in_bf16", catalogue="-", bug_class="precision lost (loss in bf16)",
+     needs={"tp": 2}, expected_phase="loss", expected_name="loss",
+     doc="the per-token losses of a bf16 run (fp32 out of megatron's vocab-parallel cross entropy) are "
+         "cast to the params' dtype before the loss function averages them: every token's loss "
+         "(~ln 128 = 4.85, bf16 ulp 2^-5) is rounded to bf16 first. The per-token losses traced out of "
+         "the model agree; the microbatch loss differs by ~1e-3. The gradients do not change (d mean / "
+         "d token = 1/32 and the 1/num_microbatches are exact through the cast): only the loss value is "
+         "wrong, as a logged loss would be")
+def _loss_bf16(model, config, optimizer):
+    import inspect
+
+    from megatron.core.pipeline_parallel import schedules
+    if not config.bf16:
+        return lambda: None
+    orig = schedules.forward_step_calc_loss
+    sig = inspect.signature(orig)
+
+    def cast_first(*a, **k):
+        bound = sig.bind(*a, **k)
+        loss_func, dtype = bound.arguments["loss_func"], bound.arguments["config"].params_dtype
+        if loss_func is not None:
+            def in_params_dtype(output_tensor, *la, **lk):
+                return loss_func(output_tensor.to(dtype), *la, **lk)
+            bound.arguments["loss_func"] = in_params_dtype
+        return orig(*bound.args, **bound.kwargs)
+    return _replace(schedules, "forward_step_calc_loss", cast_first)
+
+
+@bug("norm_weight_grad_summed_in_bf16", catalogue="-", bug_class="precision lost (reduction over tokens in bf16)",
+     needs={"tp": 2}, expected_phase="grad_local", expected_name="*layernorm.weight",
+     doc="the layer norms' backward sums the weight gradient over the tokens in bf16: each token's "
+         "product grad_out * x_hat is rounded to bf16 and the 32 products of a microbatch are added one "
+         "by one in bf16 (a naive kernel without an fp32 accumulator); the input and bias gradients "
+         "are torch's own, the forward is unchanged. Nothing downstream of a norm weight's grad runs "
+         "before the step, so the first wrong tensors are the norm weights' accumulated grads "
+         "(grad_local), e.g. layer 0's input norm, first of them in the parameters' order")
+def _norm_wgrad_bf16(model, config, optimizer):
+    import torch
+    import torch.nn.functional as F
+    norms = _modules(model, torch.nn.LayerNorm)
+
+    class WeightGradSummedInBf16(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, weight, bias, shape, eps):
+            ctx.save_for_backward(x, weight, bias)
+            ctx.shape, ctx.eps = shape, eps
+            return F.layer_norm(x, shape, weight, bias, eps)
+
+        @staticmethod
+        def backward(ctx, g):
+            x, weight, bias = ctx.saved_tensors
+            with torch.enable_grad():
+                xs, ws, bs = (t.detach().requires_grad_() for t in (x, weight, bias))
+                dx, _dw, db = torch.autograd.grad(F.layer_norm(xs, ctx.shape, ws, bs, ctx.eps), (xs, ws, bs), g)
+            xf = x.float()
+            mean, var = xf.mean(-1, keepdim=True), xf.var(-1, unbiased=False, keepdim=True)
+            terms = (g.float() * (xf - mean) * torch.rsqrt(var + ctx.eps)).to(torch.bfloat16)
+            terms = terms.reshape(-1, terms.shape[-1])
+            dw = terms[0].clone()
+            for k in range(1, terms.shape[0]):  # one bf16 rounding per token added
+                dw = dw + terms[k]
+            return dx, dw, db, None, None
+
+    def bf16_wgrad(m):
+        def forward(x):
+            if x.dtype != torch.bfloat16 or m.weight is None or m.bias is None:
+                return torch.nn.LayerNorm.forward(m, x)
+            return WeightGradSummedInBf16.apply(x, m.weight, m.bias, m.normalized_shape, m.eps)
+        return forward
+    return _shadow(norms, "forward", bf16_wgrad)
