@@ -649,6 +649,11 @@ The reference runs its own trajectory: at step `t` it has drifted from the candi
 steps of legitimate round-off, amplified by Adam, and its noise samples follow trajectories of
 their own to cover that drift. The same measurement with a reference re-synchronised to the
 candidate at every step (`--resync`, `tracer.capture.resync`): [sensitivity-resync.md](sensitivity-resync.md).
+
+A few corrupted entries of one shard (k = 1, 8, 64) and single bit flips, with the element
+statistic (`tracer/compare/elementwise.py`): [sensitivity-sparse.md](sensitivity-sparse.md) and
+[sensitivity-sparse-resync.md](sensitivity-sparse-resync.md); the statistics and their false-alarm
+arithmetic: [detection-statistics.md](detection-statistics.md).
 """
 RESYNC_NOTE = """
 **Re-synchronised reference** (`--resync`, `tracer.capture.resync`): the candidate runs first and also

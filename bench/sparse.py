@@ -183,16 +183,16 @@ def summary_table(results: list[SparseResult]) -> str:
 
 
 def flip_table(results: list[SparseResult]) -> str:
-    """Markdown: per dtype and bit position, flagged / flips and flagged / large flips."""
-    lines = ["| dtype | bit | flips flagged | large flips flagged | large flips missed (element statistic on) |",
-             "|---|---|---|---|---|"]
-    for dtype in sorted({r.dtype for r in results}):
-        rs = [r for r in results if r.dtype == dtype]
+    """Markdown: per run dtype, stored dtype and bit position, flagged / flips and flagged / large flips."""
+    lines = ["| run | stored | bit | flips flagged | large flips flagged | large flips missed (element statistic on) |",
+             "|---|---|---|---|---|---|"]
+    for dtype, stored in sorted({(r.dtype, r.stored) for r in results}):
+        rs = [r for r in results if (r.dtype, r.stored) == (dtype, stored)]
         width = max(b for r in rs for b, _, _ in r.flips) + 1
         for bit in range(width - 1, -1, -1):
             f = [(large, flagged, r.elementwise) for r in rs for b, large, flagged in r.flips if b == bit]
             lg = [x for x in f if x[0]]
-            lines.append(f"| {dtype} | {bit} | {sum(x[1] for x in f)}/{len(f)} | "
+            lines.append(f"| {dtype} | {stored} | {bit} | {sum(x[1] for x in f)}/{len(f)} | "
                          f"{sum(x[1] for x in lg)}/{len(lg)} | {sum(not x[1] and x[2] for x in lg)} |")
     return "\n".join(lines)
 

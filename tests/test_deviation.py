@@ -108,19 +108,24 @@ def test_compare_reads_moments_as_it_reads_whole_samples(tmp_path):
         assert mom.status == whole.status
         assert mom.threshold == pytest.approx(whole.threshold, rel=1e-6, abs=0.0)
         assert mom.scale_threshold == pytest.approx(whole.scale_threshold, rel=1e-6, abs=0.0, nan_ok=True)
+        # the element statistic (step 0 of traces that all begin there): from the summaries alike
+        assert mom.element_ratio == pytest.approx(whole.element_ratio, rel=1e-9, abs=0.0, nan_ok=True)
     assert rows["moments"]["a"].scale_threshold > 0 and rows["moments"]["b"].scale_threshold > 0
+    assert rows["moments"]["a"].element_ratio > 0 and rows["moments"]["b"].element_ratio >= 0
     # turned off, also when the samples stored their block coordinates: the norm alone
     off = {r.name: r for r in compare(tmp_path / "moments" / "ref", tmp_path / "moments" / "cand",
                                       block_scale=False).rows}
     assert math.isnan(off["a"].scale_threshold) and math.isnan(off["a"].scale_error)
     assert off["a"].ratio == off["a"].error / off["a"].threshold
-    # what the moments trace holds: 3 moments and the block coordinates (4 x 4 blocks of
-    # [32, 16], 4 of [8]) in float64 per floating tensor, integers whole
+    # what the moments trace holds: 3 moments, the block coordinates (4 x 4 blocks of [32, 16], 4 of
+    # [8]) and the element summary (L, then row and column sums of d^2: 1 + 32 + 16, 1 + 1 + 8) in
+    # float64 per floating tensor, integers whole
     sample = TraceReader(tmp_path / "moments" / "ref" / "noise" / "sample_0")
     by_name = {e.name: e for e in sample.entries(0, 0)}
-    assert by_name["a"].extra[DEVIATION_FIELD] == {"dtype": "float32", "shape": [32, 16], "sample": 0}
-    assert (by_name["a"].dtype, by_name["a"].shape) == ("float64", (3 + 16,))
-    assert by_name["b"].shape == (3 + 4,)
+    assert by_name["a"].extra[DEVIATION_FIELD] == {"dtype": "float32", "shape": [32, 16], "sample": 0, "blocks": 16,
+                                                   "element_rows": 32}
+    assert (by_name["a"].dtype, by_name["a"].shape) == ("float64", (3 + 16 + 1 + 32 + 16,))
+    assert by_name["b"].shape == (3 + 4 + 1 + 1 + 8,)
     assert DEVIATION_FIELD not in by_name["idx"].extra and by_name["idx"].shape == (6,)
 
 
@@ -176,8 +181,12 @@ def test_a_tensor_the_clean_step_did_not_trace_is_stored_whole(tmp_path):
     _trace(tmp_path / "s0", {"a": torch.full((3,), 2.0), "new": torch.ones(2), }, w)
     e = {e.name: e for e in TraceReader(tmp_path / "s0").entries(0, 0)}
     assert DEVIATION_FIELD in e["a"].extra and DEVIATION_FIELD not in e["new"].extra
-    # z = q = 3 (d = 1 everywhere), c = 0 (first sample), then one block per element: y_b = d r / |r| = 1
-    assert TraceReader(tmp_path / "s0").load(0, 0, e["a"].key).tolist() == [3.0, 3.0, 0.0, 1.0, 1.0, 1.0]
+    # z = q = 3 (d = 1 everywhere), c = 0 (first sample), then one block per element: y_b = d r / |r| = 1,
+    # then the element summary: L = (1 - ulp(2)) / 1 (each element against the others' mean square 1), the
+    # one row's sum 3, the columns' sums 1
+    values = TraceReader(tmp_path / "s0").load(0, 0, e["a"].key).tolist()
+    assert values[:6] == [3.0, 3.0, 0.0, 1.0, 1.0, 1.0]
+    assert values[6] == pytest.approx(1 - 2 ** -22, rel=1e-12) and values[7:] == [3.0, 1.0, 1.0, 1.0]
 
 
 # ------------------------------------------------------------------ a real noise sampler

@@ -129,17 +129,18 @@ def _edited_block_plan(edit):
 
 
 @bug("sp_rope_rank_offset", catalogue="B29", bug_class="layout/indexing (wrong offset)",
-     needs={"layout": "r1.s2.t2+sp"}, expected_phase="bwd", expected_name="layers.1.attention.w[qk].output_grad",
+     needs={"layout": "r1.s2.t2+sp"}, expected_phase="fwd", expected_name="layers.0.attention.wo.input",
      doc="under sequence parallelism RoPE is given a rank-dependent position offset tp_rank * local_seq "
          "(as if the rank still held its sequence shard), although attention runs on the all-gathered "
          "sequence: tp rank 1's heads rotate position p by angle (p + seq/2) mod seq, which changes the "
          "relative positions of pairs across the wrap. Declared first as fwd layers.0.attention.wo.input "
-         "(the attention output); found in the backward, and the mechanism says why: at initialisation "
-         "(weights std 0.02) the logits q.k/sqrt(d) are ~1e-3, the softmax is almost uniform and the "
-         "attention output barely depends on the rotation angles (its error stays under the bf16 "
-         "threshold), while dL/dq and dL/dk are rotated back by the wrong angles linearly: the first "
-         "wrong tensor is the gradient at the q/k projection outputs of the last block, where the "
-         "backward starts")
+         "(the attention output), where it is first wrong. The norm statistics could not see it there: at "
+         "initialisation (weights std 0.02) the logits q.k/sqrt(d) are ~1e-3, the softmax is almost "
+         "uniform and the attention output barely depends on the rotation angles (its error stayed under "
+         "the bf16 norm threshold), and it was found first at the gradient of the last block's q/k "
+         "projections (dL/dq, dL/dk rotated back by the wrong angles linearly; declared there until issue "
+         "34). The element statistic (tracer.compare.elementwise) sees the few wrong elements of the "
+         "attention output at step 0: the declaration is the first one again")
 def _rope_offset(run):
     offset = run.tp_rank * (run.args.max_seq_len // max(run.layout.tp, 1))
 
