@@ -61,3 +61,35 @@ def test_every_input_must_match():
     rows = [_row(f"{M}.input.0", 0.0), _row(f"{M}.input.1", 2e-9), _row(f"{M}.output", 1e-3)]
     apply_exactness(rows, SAME, {0})
     assert rows[-1].status == "ok"
+
+
+CPU = {"cpu_capability": "AVX2", "cuda": None, "deterministic": False, "cublas_workspace_config": None}
+GPU = {"cpu_capability": "AVX2", "cuda": "12.8", "deterministic": True, "cublas_workspace_config": ":4096:8"}
+
+
+@pytest.mark.parametrize("ref,cand,reason", [
+    ({"torch_version": "2.13.0", "kernels": CPU}, {"torch_version": "2.13.0", "kernels": CPU}, None),
+    ({"torch_version": "2.13.0", "kernels": GPU}, {"torch_version": "2.13.0", "kernels": GPU}, None),
+    ({"torch_version": "2.13.0"}, {"torch_version": "2.13.0", "kernels": CPU}, "older version"),
+    ({"torch_version": "2.12.0", "kernels": CPU}, {"torch_version": "2.13.0", "kernels": CPU}, "torch 2.12.0"),
+    ({"torch_version": "2.13.0", "kernels": CPU}, {"torch_version": "2.13.0", "kernels": {**CPU, "cpu_capability": "AVX512"}},
+     "CPU dispatch"),
+    ({"torch_version": "2.13.0", "kernels": CPU}, {"torch_version": "2.13.0", "kernels": GPU}, "CUDA None"),
+    ({"torch_version": "2.13.0", "kernels": GPU}, {"torch_version": "2.13.0", "kernels": {**GPU, "deterministic": False}},
+     "use_deterministic_algorithms"),
+])
+def test_kernels_differ(ref, cand, reason):
+    from tracer.compare.exactness import kernels_differ
+    got = kernels_differ(ref, cand)
+    assert (got is None) if reason is None else (reason in got), got
+
+
+def test_run_file_records_the_kernel_settings(tmp_path):
+    import torch
+
+    from tracer.trace.store import TraceReader, TraceWriter
+    w = TraceWriter(tmp_path, 0, 1, {"tp": 1}, "sig")
+    w.add("x", torch.ones(2), phase="fwd", step=0)
+    w.flush_step(0)
+    k = TraceReader(tmp_path).run["kernels"]
+    assert k["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and k["cuda"] is None

@@ -64,7 +64,7 @@ from tracer.compare.coverage import Coverage, mark_unmodelled, verdict as covera
 from tracer.compare.decisions import TOPK_META, ChoiceChange
 from tracer.compare.deviation import DEVIATION_FIELD, SampleMoments, combined_moments
 from tracer.compare.elementwise import element_statistic_applies
-from tracer.compare.exactness import apply_exactness
+from tracer.compare.exactness import apply_exactness, kernels_differ
 from tracer.compare.judge import TensorCheck, check_routed, check_stats_only, downstream_of_choices
 from tracer.compare.localise import localise
 from tracer.compare.sign_flips import without_sign_flips
@@ -114,6 +114,8 @@ class Comparison:
     #: distributed reference (module doc)
     reference_layout: dict[str, Any] = field(default_factory=dict)
     reference_world_size: int = 1
+    #: the exactness rule (tracer.compare.exactness): how many records it judged, or why it was not applied
+    exactness: str = ""
 
     @property
     def distributed_reference(self) -> bool:
@@ -155,7 +157,7 @@ class Comparison:
                 "false_alarm_per_comparison": self.false_alarm,
                 "first_divergence": None if self.first is None else asdict(self.first),
                 "localisation": self.localisation, "unmatched": self.unmatched,
-                "stripped_prefixes": self.stripped_prefixes, "skipped": self.skipped,
+                "stripped_prefixes": self.stripped_prefixes, "skipped": self.skipped, "exactness": self.exactness,
                 "coverage": None if self.coverage is None else self.coverage.to_dict(),
                 "tensors": [asdict(r) for r in self.rows]}
 
@@ -682,15 +684,16 @@ def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str
             bar.update(1)
     if bar is not None:
         bar.close()
-    if exact_unchanged:
-        apply_exactness(rows, same_arithmetic, shared)
+    why_not = kernels_differ(ref.run, cand.run) if exact_unchanged else "turned off (exact_unchanged=False)"
+    exactness = (f"not applied: {why_not}" if why_not else
+                 f"{apply_exactness(rows, same_arithmetic, shared)} forward outputs required to match bitwise")
     coverage = mark_unmodelled(rows, [[e for d in p[4] for e in (d or {}).values()] for p in plan], noisy_readers,
                                accept_unmodelled)
     first = next((r for r in rows if r.status not in (Status.OK, Status.UNCHECKED, Status.UNMODELLED)), None)
     return Comparison(str(reference), str(candidate), cand.run.get("layout", {}), rows, first,
                       localise(rows, first), unmatched, len(noisy_readers), false_alarm, coverage,
                       {side: sorted(p) for side, p in stripped.items()}, skipped, ref.run.get("layout", {}),
-                      ref.world_size)
+                      ref.world_size, exactness)
 
 
 def _gradients(ref: TraceReader, cand: TraceReader, step: int, name: str, index: tuple[dict, dict]

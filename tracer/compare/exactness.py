@@ -29,8 +29,10 @@ bitwise), and those kernels are deterministic and compute an output element inde
 the tensor's other dimensions (checked on this machine's CPU kernels: the clean TP=2 + SP
 candidate of the demo is bitwise equal to its reference up to the first row-parallel GEMM, in
 bf16 and fp32, ``docs/detection-statistics.md``). On a GPU: ``torch.use_deterministic_algorithms
-(True)`` and ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` in both runs. ``compare(exact_unchanged=False)``
-turns the rule off.
+(True)`` and ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` in both runs. Checked where the traces say it
+(:func:`kernels_differ`, from ``run.json``'s ``kernels``: torch version, CPU dispatch, CUDA,
+determinism): the rule is not applied when they differ, and the comparison says why
+(``Comparison.exactness``). ``compare(exact_unchanged=False)`` turns the rule off.
 """
 from __future__ import annotations
 
@@ -39,7 +41,7 @@ from collections.abc import Iterable
 
 from tracer.trace.schema import Phase, Status
 
-__all__ = ["EXACT_NOTE", "apply_exactness", "io_role"]
+__all__ = ["EXACT_NOTE", "apply_exactness", "io_role", "kernels_differ"]
 
 EXACT_NOTE = ("its inputs matched the reference bitwise and its layout does not change its arithmetic "
               "(tracer.compare.exactness): it must match bitwise")
@@ -52,6 +54,27 @@ def io_role(name: str) -> tuple[str, str] | None:
     for i in range(len(parts) - 1, 0, -1):
         if parts[i] in ("input", "output"):
             return ".".join(parts[:i]), parts[i]
+    return None
+
+
+def kernels_differ(reference_run: dict, candidate_run: dict) -> str | None:
+    """Why the two runs may not compute an unchanged op bitwise alike (their ``run.json``: torch
+    version and :func:`tracer.trace.store.kernel_settings`), or None when nothing says so: a GPU run
+    needs deterministic algorithms and ``CUBLAS_WORKSPACE_CONFIG`` on both sides. A trace from before
+    the kernel record says nothing: the rule is not applied to it."""
+    a, b = reference_run.get("kernels"), candidate_run.get("kernels")
+    if a is None or b is None:
+        return "a trace does not record its kernel settings (traced by an older version)"
+    if reference_run.get("torch_version") != candidate_run.get("torch_version"):
+        return (f"torch {reference_run.get('torch_version')} in the reference, "
+                f"{candidate_run.get('torch_version')} in the candidate")
+    if a.get("cpu_capability") != b.get("cpu_capability"):
+        return f"CPU dispatch {a.get('cpu_capability')} in the reference, {b.get('cpu_capability')} in the candidate"
+    if a.get("cuda") != b.get("cuda"):
+        return f"CUDA {a.get('cuda')} in the reference, {b.get('cuda')} in the candidate"
+    if a.get("cuda") and not all(k.get("deterministic") and k.get("cublas_workspace_config") for k in (a, b)):
+        return ("a GPU run without torch.use_deterministic_algorithms(True) and CUBLAS_WORKSPACE_CONFIG set on "
+                "both sides")
     return None
 
 

@@ -80,6 +80,8 @@ def summary(c: Comparison, top: int = 5) -> str:
              + f"  vs  candidate {c.candidate} (layout {c.candidate_layout})",
              f"  thresholds: {c.noise_samples} noise samples, false-alarm probability {c.false_alarm:g} per "
              f"comparison; largest error/threshold within threshold: {c.max_ratio_ok:.3g}"]
+    if c.exactness:
+        lines.append(f"  bitwise where the layout leaves the arithmetic unchanged (tracer.compare.exactness): {c.exactness}")
     for side, prefixes in sorted(c.stripped_prefixes.items()):
         lines.append(f"  names matched after stripping {', '.join(repr(p) for p in prefixes)} from the {side}")
     if c.skipped:
@@ -103,6 +105,9 @@ def summary(c: Comparison, top: int = 5) -> str:
         lines += [f"first divergence: step {f.step}, phase {f.phase}, tensor {f.name}"
                   + (f" (microbatch {f.microbatch})" if f.phase in (Phase.FWD, Phase.BWD, Phase.LOSS) else ""),
                   f"  module {f.module or '-'}; " + (
+                      f"element statistic: element {f.element_index} (flat index) is {f.element_ratio:.4g}x its own "
+                      f"legitimate threshold (a few wrong elements; norm of the difference {f.error:.4g} vs "
+                      f"{f.threshold:.4g})" if f.by_element and math.isfinite(f.element_ratio) else
                       f"block-scale statistic {f.scale_error:.4g} vs threshold {f.scale_threshold:.4g} (a difference "
                       f"that rescales the reference; norm of the difference {f.error:.4g} vs {f.threshold:.4g})"
                       if f.by_scale else f"error {f.error:.4g} vs threshold {f.threshold:.4g}")

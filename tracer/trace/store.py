@@ -72,6 +72,17 @@ _MANIFEST_FIELDS = ("schema_version", "model_signature", "run_id", "world_size",
                     "mode", "file", "entries")
 
 
+def kernel_settings() -> dict[str, Any]:
+    """What decides whether two runs compute an op bitwise alike (``run.json`` ``kernels``;
+    :mod:`tracer.compare.exactness`): torch's CPU dispatch (``ATEN_CPU_CAPABILITY``), whether CUDA
+    is in use and deterministic algorithms are enabled, and the cuBLAS workspace setting."""
+    import os
+    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cuda": torch.version.cuda if torch.cuda.is_available() else None,
+            "deterministic": bool(torch.are_deterministic_algorithms_enabled()),
+            "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
+
+
 def _library_version() -> str:
     try:
         from importlib.metadata import version
@@ -480,7 +491,7 @@ class TraceWriter:
         return {"schema_version": SCHEMA_VERSION, "library_version": _library_version(),
                 "torch_version": torch.__version__, "model_signature": self.model_signature,
                 "run_id": self.run_id, "world_size": self.world_size, "layout": self.layout,
-                "mode": self.mode, "meta": self.run_meta}
+                "mode": self.mode, "meta": self.run_meta, "kernels": kernel_settings()}
 
     def _write_run_file(self) -> None:
         path = self.root / RUN_FILE
