@@ -159,42 +159,70 @@ def _ratio_to(excess: torch.Tensor, scale_sq: torch.Tensor) -> torch.Tensor:
     return torch.where(scale_sq > 0, excess / scale_sq.clamp_min(0.0).sqrt(), torch.where(excess == 0, 0.0, math.inf))
 
 
+#: elements per chunk of rows: the float64 temporaries of a pass stay a few MB, whatever the tensor's size
+_CHUNK = 1 << 17
+
+
+def _row_chunks(rows: int, cols: int) -> list[tuple[int, int]]:
+    """``(start, stop)`` row ranges of at most :data:`_CHUNK` elements (at least one row)."""
+    step = max(1, _CHUNK // max(cols, 1))
+    return [(i, min(i + step, rows)) for i in range(0, rows, step)]
+
+
 def summarize(deviation: torch.Tensor, ref: torch.Tensor, stored: torch.dtype) -> ElementSummary:
     """A noise sample's :class:`ElementSummary` from its deviation ``d`` from the reference
     ``ref`` (stored in ``stored``): the margins of ``d^2`` and ``L_s`` against the rank-1 fit of
-    its own margins with each element left out (module doc, "Tail scale")."""
-    d = _as_rows(deviation.detach().double())
+    its own margins with each element left out (module doc, "Tail scale"). Two passes over ``d``
+    by chunks of rows, in float64."""
+    d = _as_rows(deviation.detach())
+    r_all = _as_rows(ref.detach())
     r, c = d.shape
-    sq = d * d
-    rows, cols = sq.sum(1), sq.sum(0)
+    rows = torch.zeros(r, dtype=torch.float64)
+    cols = torch.zeros(c, dtype=torch.float64)
+    chunks = _row_chunks(r, c)
+    for i, j in chunks:
+        sq = d[i:j].double().square()  # not in place: .double() of a float64 tensor is the tensor itself
+        rows[i:j] = sq.sum(1)
+        cols += sq.sum(0)
     total = float(rows.sum())
-    # the fit at (r, c) without the element: (rho_r - d^2)/(C-1) * (kappa_c - d^2)/(R-1) / ((tau - d^2)/(N-1));
-    # a dimension of length 1 pools nothing: its margin is the element itself, left as the whole mean
-    row_mean = (rows[:, None] - sq) / (c - 1) if c > 1 else None
-    col_mean = (cols[None, :] - sq) / (r - 1) if r > 1 else None
-    mean = (total - sq) / max(r * c - 1, 1)
-    if row_mean is None and col_mean is None:
-        fit = torch.zeros_like(sq)  # one element: no other to pool
-    elif row_mean is None or col_mean is None:
-        fit = mean
-    else:  # where the rest of its row or column is 0 the product carries nothing: the tensor's mean square
-        fit = torch.where((row_mean > 0) & (col_mean > 0),
-                          row_mean * col_mean / mean.clamp_min(torch.finfo(torch.float64).tiny), mean)
-    largest = float(_ratio_to(_excess(d, _as_rows(ref), stored), fit).max()) if d.numel() else 0.0
+    largest = 0.0
+    for i, j in chunks:
+        dd = d[i:j].double()
+        sq = dd * dd
+        # the fit at (r, c) without the element: (rho_r - d^2)/(C-1) * (kappa_c - d^2)/(R-1) / ((tau - d^2)/(N-1));
+        # a dimension of length 1 pools nothing: the tensor's mean square without the element
+        mean = (total - sq) / max(r * c - 1, 1)
+        if r * c == 1:
+            fit = torch.zeros_like(sq)  # one element: no other to pool
+        elif r == 1 or c == 1:
+            fit = mean
+        else:  # where the rest of its row or column is 0 the product carries nothing: the tensor's mean square
+            row_mean = (rows[i:j, None] - sq) / (c - 1)
+            col_mean = (cols[None, :] - sq) / (r - 1)
+            fit = torch.where((row_mean > 0) & (col_mean > 0),
+                              row_mean * col_mean / mean.clamp_min(torch.finfo(torch.float64).tiny), mean)
+        largest = max(largest, float(_ratio_to(_excess(dd, r_all[i:j], stored), fit).max()))
     return ElementSummary(rows, cols, largest)
+
+
+def _pooled_factors(summaries: list[ElementSummary]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a, b)``, ``R x 1`` and ``1 x C``, with ``w^2 = a b`` the rank-1 fit of the samples' mean
+    square from their margins (one row or one column: the tensor's mean square)."""
+    rows = torch.stack([s.rows for s in summaries]).mean(0)
+    cols = torch.stack([s.cols for s in summaries]).mean(0)
+    r, c = rows.numel(), cols.numel()
+    total = float(rows.sum()) / max(r * c, 1)
+    if total <= 0:
+        return torch.zeros(r, 1, dtype=torch.float64), torch.zeros(1, c, dtype=torch.float64)
+    if r == 1 or c == 1:
+        return torch.full((r, 1), total, dtype=torch.float64), torch.ones(1, c, dtype=torch.float64)
+    return (rows / (c * total))[:, None], (cols / r)[None, :]
 
 
 def pooled_scale(summaries: list[ElementSummary]) -> torch.Tensor:
     """``w^2`` (``R x C``, float64): the rank-1 fit of the samples' mean square from their margins."""
-    rows = torch.stack([s.rows for s in summaries]).mean(0)
-    cols = torch.stack([s.cols for s in summaries]).mean(0)
-    r, c = rows.numel(), cols.numel()
-    total = float(rows.sum()) / (r * c)
-    if total <= 0:
-        return torch.zeros(r, c, dtype=torch.float64)
-    if r == 1 or c == 1:  # one row or one column: no structure to fit, the tensor's mean square
-        return torch.full((r, c), total, dtype=torch.float64)
-    return (rows / c)[:, None] * (cols / r)[None, :] / total
+    a, b = _pooled_factors(summaries)
+    return a * b
 
 
 def _normal_quantile(p: float) -> float:
@@ -207,21 +235,27 @@ def element_test(diff: torch.Tensor, summaries: list[ElementSummary], ref: torch
                  false_alarm: float) -> ElementTest:
     """The element statistic (module doc) of the difference ``diff = cand - ref`` given the noise
     samples' :class:`ElementSummary` (:func:`summarize`), the reference ``ref`` and the dtype it
-    was stored in, at per-tensor probability ``false_alarm``."""
+    was stored in, at per-tensor probability ``false_alarm`` (one pass by chunks of rows)."""
     if not summaries:
         raise ValueError("the element statistic needs the summaries of the noise samples")
-    e = _as_rows(diff.detach().double())
+    e = _as_rows(diff.detach())
+    r_all = _as_rows(ref.detach())
     n = max(e.numel(), 1)
     z_med = _normal_quantile(math.log(2) / (2 * n))
     tail = max(1.0, max(s.largest for s in summaries) / z_med)
     z = _normal_quantile(false_alarm / (2 * n))
     if math.isinf(tail):  # a sample moved an element none of its row and column did: no tail bound
         return ElementTest(0.0, 0, tail, z, math.inf)
-    scale_sq = pooled_scale(summaries)
-    stat = _ratio_to(_excess(e, _as_rows(ref), stored), scale_sq).reshape(-1)
-    if not stat.numel():
+    if not e.numel():
         return ElementTest(0.0, 0, tail, z, 0.0)
-    i = int(stat.argmax())
-    threshold = (float(storage_allowance(_as_rows(ref), e, stored).reshape(-1)[i])
-                 + tail * z * float(scale_sq.reshape(-1)[i].sqrt()))
-    return ElementTest(float(stat[i]) / (tail * z), i, tail, z, threshold)
+    a, b = _pooled_factors(summaries)
+    best, at, threshold = -1.0, 0, 0.0
+    for i, j in _row_chunks(*e.shape):
+        ee, scale_sq = e[i:j].double(), a[i:j] * b
+        stat = _ratio_to(_excess(ee, r_all[i:j], stored), scale_sq).reshape(-1)
+        k = int(stat.argmax())
+        if float(stat[k]) > best:
+            best, at = float(stat[k]), i * e.shape[1] + k
+            threshold = (float(storage_allowance(r_all[i:j], ee, stored).reshape(-1)[k])
+                         + tail * z * float(scale_sq.reshape(-1)[k].sqrt()))
+    return ElementTest(best / (tail * z), at, tail, z, threshold)
