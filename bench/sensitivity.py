@@ -407,22 +407,12 @@ def run_dtype(root: Path, dtype: str, targets: tuple[Target, ...], log=print
     """Compare the clean candidate once, count the peers' false positives over it
     (:func:`clean_census`), then measure every target; returns the results, the comparison
     and the census."""
-    from tracer.compare.check import compare
-    from tracer.trace.store import TraceReader
-    t = time.perf_counter()
-    cmp = compare(root / "ref", root / "cand_clean")
-    log(f"  {dtype}: clean comparison of {len(cmp.rows)} tensors in {time.perf_counter() - t:.1f} s: "
-        f"{cmp.counts()}, largest ratio {cmp.max_ratio_ok:.3f}, first divergence "
-        f"{cmp.first.label if cmp.first else 'none'}")
-    census = clean_census(root, dtype, log=log)
-    per_tensor = cmp.false_alarm / max(len(cmp.rows), 1)
+    cmp, census, cases = clean_cases(root, dtype, targets, log)
     rows = {(r.step, r.phase, r.name, r.microbatch, r.call): r for r in cmp.rows}
-    num_layers = num_layers_of(TraceReader(root / "ref"))
-    eps = torch.finfo(COMPUTE_DTYPES[dtype]).eps
     out = []
-    for i, tg in enumerate(targets):
+    for i, (tg, case) in enumerate(zip(targets, cases)):
         t = time.perf_counter()
-        case = load_case(root / "ref", root / "cand_clean", tg, per_tensor, num_layers, eps)
+        case = case()
         case.k0 = census[1][tg.phase][0]
         res = measure(case, dtype, rows[(tg.step, tg.phase, tg.name, tg.microbatch, tg.call)])
         out.append(res)
@@ -430,6 +420,27 @@ def run_dtype(root: Path, dtype: str, targets: tuple[Target, ...], log=print
             f"(rank {res.rank}): " + ", ".join(f"{m} {_fmt_delta(res, m)}" for m in METHODS)
             + f"  ({time.perf_counter() - t:.1f} s)")
     return out, cmp, census
+
+
+def clean_cases(root: Path, dtype: str, targets: tuple[Target, ...], log=print
+                ) -> tuple[Any, tuple[dict[str, dict[str, int]], dict[str, tuple[float, str]]], list[Callable[[], Case]]]:
+    """The clean comparison (logged), the peers' clean census (:func:`clean_census`), and for each
+    target a function that loads its :class:`Case` with the comparison's per-tensor false-alarm rate."""
+    from tracer.compare.check import compare
+    from tracer.trace.store import TraceReader
+    t = time.perf_counter()
+    cmp = compare(root / "ref", root / "cand_clean")
+    tested = [r.element_ratio for r in cmp.rows if not math.isnan(r.element_ratio)]
+    log(f"  {dtype}: clean comparison of {len(cmp.rows)} tensors in {time.perf_counter() - t:.1f} s: "
+        f"{cmp.counts()}, largest ratio {cmp.max_ratio_ok:.3f}, first divergence "
+        f"{cmp.first.label if cmp.first else 'none'}; element statistic on {len(tested)} tensors, largest "
+        f"{max(tested, default=math.nan):.3f}; exactness rule: {cmp.exactness}")
+    census = clean_census(root, dtype, log=log)
+    per_tensor = cmp.false_alarm / max(len(cmp.rows), 1)
+    num_layers = num_layers_of(TraceReader(root / "ref"))
+    eps = torch.finfo(COMPUTE_DTYPES[dtype]).eps
+    return cmp, census, [lambda tg=tg: load_case(root / "ref", root / "cand_clean", tg, per_tensor, num_layers, eps)
+                         for tg in targets]
 
 
 def clean_census(root: Path, dtype: str, log=print

@@ -33,8 +33,7 @@ from pathlib import Path
 
 import torch
 
-from bench.sensitivity import (COMPUTE_DTYPES, FIXED_PEERS, TARGETS, Case, Target, clean_census, ensure_traces, load_case,
-                               num_layers_of, smallest_delta)
+from bench.sensitivity import FIXED_PEERS, TARGETS, Case, Target, clean_cases, ensure_traces, smallest_delta
 
 __all__ = ["FLIPS_PER_BIT", "KS", "METHODS", "SparseResult", "flip_bit", "large_flip", "main", "pick_entries", "scale_entries"]
 
@@ -118,20 +117,11 @@ def measure_sparse(case: Case, dtype: str, seed: int) -> SparseResult:
 
 def run_dtype(root: Path, dtype: str, seed: int, log=print) -> tuple[list[SparseResult], dict]:
     """The clean comparison, the peers' clean census, and every target's sparse and bit-flip results."""
-    from tracer.compare.check import compare
-    from tracer.trace.store import TraceReader
-    cmp = compare(root / "ref", root / "cand_clean")
-    log(f"  {dtype}: clean comparison of {len(cmp.rows)} tensors: {cmp.counts()}, largest ratio {cmp.max_ratio_ok:.3f}, "
-        f"largest element-statistic ratio {max((r.element_ratio for r in cmp.rows if r.element_ratio == r.element_ratio), default=math.nan):.3f} "
-        f"over {sum(r.element_ratio == r.element_ratio for r in cmp.rows)} tensors")
-    census, _ = clean_census(root, dtype, log=log)
-    per_tensor = cmp.false_alarm / max(len(cmp.rows), 1)
-    num_layers = num_layers_of(TraceReader(root / "ref"))
-    eps = torch.finfo(COMPUTE_DTYPES[dtype]).eps
+    _, (census, _), cases = clean_cases(root, dtype, TARGETS, log)
     out = []
-    for n, tg in enumerate(TARGETS):
+    for n, (tg, case) in enumerate(zip(TARGETS, cases)):
         t = time.perf_counter()
-        case = load_case(root / "ref", root / "cand_clean", tg, per_tensor, num_layers, eps)
+        case = case()
         res = measure_sparse(case, dtype, seed)
         out.append(res)
         large = [f for f in res.flips if f[1]]
@@ -154,7 +144,7 @@ def _peer_ok(res: SparseResult, peer: str, census: dict) -> bool:
 def delta_table(results: list[SparseResult], census: dict[str, dict], k: int) -> str:
     """Markdown: smallest flagged delta per target and method for ``k`` entries."""
     peers = FIXED_PEERS
-    lines = [f"| dtype | step | phase | tensor | element stat. | ours | ours_norm | " + " | ".join(peers) + " | peer below ours |",
+    lines = ["| dtype | step | phase | tensor | element stat. | ours | ours_norm | " + " | ".join(peers) + " | peer below ours |",
              "|" + "---|" * (8 + len(peers))]
     for r in results:
         d = r.delta[k]
