@@ -577,10 +577,15 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
     placed: list[tuple[str, str]] = []
     skipped: list[str] = []
+    if a.resync:  # the torchtitan-style harness does not trace optimizer state: no re-synchronised reference
+        titan_rows = sorted({n for n, _ in rows if _harness(n) == "titan"})
+        rows = [(n, d) for n, d in rows if _harness(n) != "titan"]
+        bug_layouts = [n for n in bug_layouts if _harness(n) != "titan"]
+        skipped += [f"layout {n}: --resync is not supported on the torchtitan-style harness" for n in titan_rows]
     for name in (bugs if do_bugs else []):
         lay = pick_layout(BUGS[name], bug_layouts)
         if lay is None:
-            skipped.append(f"{name}: no layout among {bug_layouts} satisfies {BUGS[name].needs}")
+            skipped.append(f"bug {name}: no layout among {bug_layouts} satisfies {BUGS[name].needs}")
         else:
             placed.append((name, lay))
     out = Path(a.out)
@@ -616,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
          f"with {a.noise_samples} noise samples (TP {noise_tp}"
          + (f", torchtitan-style DP {noise_dp})" if "titan" in noise_tp else ")"))
     for s in skipped:
-        _log(f"  skipped bug {s}")
+        _log(f"  skipped {s}")
     results = run_jobs(jobs, log=_log)
     results.update(run_jobs(synced_refs, log=_log) if synced_refs else {})
     traced_s = time.perf_counter() - t0
