@@ -63,8 +63,8 @@ def test_every_input_must_match():
     assert rows[-1].status == "ok"
 
 
-CPU = {"cpu_capability": "AVX2", "cuda": None, "deterministic": False, "cublas_workspace_config": None}
-GPU = {"cpu_capability": "AVX2", "cuda": "12.8", "deterministic": True, "cublas_workspace_config": ":4096:8"}
+CPU = {"cpu_capability": "avx2", "cuda": None, "deterministic": False, "cublas_workspace_config": None}
+GPU = {"cpu_capability": "avx2", "cuda": "12.8", "deterministic": True, "cublas_workspace_config": ":4096:8"}
 
 
 @pytest.mark.parametrize("ref,cand,reason", [
@@ -72,7 +72,7 @@ GPU = {"cpu_capability": "AVX2", "cuda": "12.8", "deterministic": True, "cublas_
     ({"torch_version": "2.13.0", "kernels": GPU}, {"torch_version": "2.13.0", "kernels": GPU}, None),
     ({"torch_version": "2.13.0"}, {"torch_version": "2.13.0", "kernels": CPU}, "older version"),
     ({"torch_version": "2.12.0", "kernels": CPU}, {"torch_version": "2.13.0", "kernels": CPU}, "torch 2.12.0"),
-    ({"torch_version": "2.13.0", "kernels": CPU}, {"torch_version": "2.13.0", "kernels": {**CPU, "cpu_capability": "AVX512"}},
+    ({"torch_version": "2.13.0", "kernels": CPU}, {"torch_version": "2.13.0", "kernels": {**CPU, "cpu_capability": "avx512"}},
      "CPU dispatch"),
     ({"torch_version": "2.13.0", "kernels": CPU}, {"torch_version": "2.13.0", "kernels": GPU}, "CUDA None"),
     ({"torch_version": "2.13.0", "kernels": GPU}, {"torch_version": "2.13.0", "kernels": {**GPU, "deterministic": False}},
@@ -92,4 +92,4 @@ def test_run_file_records_the_kernel_settings(tmp_path):
     w.add("x", torch.ones(2), phase="fwd", step=0)
     w.flush_step(0)
     k = TraceReader(tmp_path).run["kernels"]
-    assert k["cpu_capability"] == torch.backends.cpu.get_cpu_capability() and k["cuda"] is None
+    assert k["cpu_capability"] == torch.backends.cpu.get_cpu_capability().lower() and k["cuda"] is None

@@ -657,7 +657,8 @@ def compare(reference: str | Path, candidate: str | Path, *, noise: Iterable[str
     per_tensor = false_alarm / max(len(plan), 1)  # Bonferroni: family-wise over the comparison
     restarted = samples_restart(noisy_readers)
     shared = shared_start_steps(ref, cand, noisy_readers, wanted, restarted)
-    routes = {s: makes_topk_choice(ref, s) for s in wanted} if restarted or shared else {}
+    # top-k choices matter where a step's records get the few-source exception or the element statistic
+    routes = {s: makes_topk_choice(ref, s) for s in (wanted if restarted else shared)}
     same_arithmetic: set[tuple[int, str, int, int]] = set()
     bar = _progress(len(plan), progress)
     rows = []

@@ -57,8 +57,8 @@ from tracer.errors import TraceError
 from tracer.trace.schema import PRE_UPDATE_PHASES, Entry, Phase, RecordKey
 from tracer.trace.store import TraceReader, TraceWriter
 
-__all__ = ["BLOCKS_FIELD", "DEVIATION_FIELD", "ELEMENT_ROWS_FIELD", "DeviationOf", "MomentAccumulator", "MomentWriter", "SampleMoments",
-           "StorageRoundingExcess", "block_scale_applies", "combined_moments", "storage_rounding_allowance",
+__all__ = ["BLOCKS_FIELD", "DEVIATION_FIELD", "ELEMENT_ROWS_FIELD", "DeviationOf", "MomentAccumulator", "MomentWriter",
+           "SampleMoments", "StorageRoundingExcess", "block_scale_applies", "combined_moments", "storage_rounding_allowance",
            "storage_rounding_excess", "stored_rounded", "work_dtype"]
 
 #: manifest entry field of a tensor stored as moments: ``{"dtype", "shape"}`` of the traced tensor and

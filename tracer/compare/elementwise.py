@@ -65,9 +65,12 @@ reference, :mod:`tracer.capture.resync`), and the step makes no top-k choice. Af
 correct run differs from the reference by Adam's discrete sign flips (``lr sign(g)`` of the
 elements whose gradient is within round-off of zero), a few large element differences that
 four samples reproduce elementwise no better than chance: measured on the sensitivity
-benchmark's own-trajectory steps 1-2 (bf16), the statistic with this scale would flag 4 clean
-parameter gradients of step 1 (up to 1.55x), where at step 0, and at every step of the
-re-synchronised comparison, the largest clean ratio is 0.45 (``docs/detection-statistics.md``). Cost: a few elementwise passes per sample (where it is traced, or at the comparison for samples
+benchmark's own-trajectory steps 1-2 (bf16), the statistic would flag 6 clean activations
+(embedding lookups of rows Adam moved in the candidate and in no sample: infinitely over) and 6
+clean parameter gradients (up to 1.08x), where at step 0 the largest clean ratio is 0.39, and at
+every step of the re-synchronised comparison 0.42 (``docs/detection-statistics.md``).
+
+Cost: a few elementwise passes per sample (where it is traced, or at the comparison for samples
 stored whole) and two for the candidate; ``R + C + 1`` numbers per sample and tensor on disk.
 """
 from __future__ import annotations

@@ -128,8 +128,8 @@ def check_tensor(step: int, key: RecordKey, ref_e: Entry, ref_t: torch.Tensor, c
     moments (:mod:`tracer.compare.deviation`); ``few_sources``: the thresholds' degrees of freedom are
     also capped by the samples' spread (:func:`few_sources`); ``elementwise``: also test the
     element statistic (:mod:`tracer.compare.elementwise`) where the samples carry what it needs
-    (stored whole, or as moments with their element summaries) and moved the tensor. The tensor's false-alarm probability is split evenly over the
-    statistics tested (Bonferroni).
+    (stored whole, or as moments with their element summaries) and moved the tensor. The tensor's
+    false-alarm probability is split evenly over the statistics tested (Bonferroni).
 
     Arithmetic runs in ``work``: by default float32 for tensors stored in fp32/bf16/fp16 (half
     the memory traffic of float64, :func:`~tracer.compare.deviation.work_dtype`), float64 otherwise,

@@ -76,8 +76,8 @@ def kernel_settings() -> dict[str, Any]:
     """What decides whether two runs compute an op bitwise alike (``run.json`` ``kernels``;
     :mod:`tracer.compare.exactness`): torch's CPU dispatch (``ATEN_CPU_CAPABILITY``), whether CUDA
     is in use and deterministic algorithms are enabled, and the cuBLAS workspace setting."""
-    import os
-    return {"cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    from ttrace_num.cpu_kernels import dispatch
+    return {"cpu_capability": dispatch(),
             "cuda": torch.version.cuda if torch.cuda.is_available() else None,
             "deterministic": bool(torch.are_deterministic_algorithms_enabled()),
             "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
