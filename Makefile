@@ -22,7 +22,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VPY) -m examples.megatron_cpu.demo --out demo_out
+	$(VPY) -m examples.megatron_cpu.demo --out demo_out --resync
 
 test: $(STAMP)
 	$(VPY) -m pytest -q -n 2 --dist loadfile --durations=15 tests
