@@ -80,8 +80,9 @@ def test_heavy_tailed_samples_raise_the_tail_scale():
 
 
 def test_storage_allowance_keeps_a_one_ulp_difference_legitimate():
-    """bf16 values one ulp apart where no sample moved: legitimate (the allowance), and a
-    difference of 2 ulps at one element is flagged (nothing else can explain it)."""
+    """bf16 values one ulp apart where no sample moved: legitimate (the allowance, twice where no
+    sample moved: module doc, "No spread"), and a difference of 3 ulps at one element is flagged
+    (nothing else can explain it)."""
     ref = torch.linspace(1, 2, 64, dtype=torch.float64).to(torch.bfloat16).double()
     ulp = storage_allowance(ref, torch.zeros_like(ref), torch.bfloat16)
     assert torch.equal(ulp, torch.where(ref < 2, 2.0 ** -7, 2.0 ** -6).double())
@@ -90,7 +91,12 @@ def test_storage_allowance_keeps_a_one_ulp_difference_legitimate():
     zeros = [torch.zeros(64, dtype=torch.float64) for _ in range(4)]
     assert _test(e, zeros, ref, torch.bfloat16).ratio == 0
     e[10] = 2 * ulp[10]
+    assert _test(e, zeros, ref, torch.bfloat16).ratio == 0
+    e[10] = 3 * ulp[10]
     assert math.isinf(_test(e, zeros, ref, torch.bfloat16).ratio)
+    moved = [torch.full((64,), 1e-3, dtype=torch.float64)] * 4  # with a spread, one allowance: 2 ulps are over
+    e[10] = 2 * ulp[10]
+    assert _test(e, moved, ref, torch.bfloat16).ratio > 1
 
 
 def test_the_allowance_is_added_once_not_multiplied_by_the_tail_quantile():

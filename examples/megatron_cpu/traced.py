@@ -38,10 +38,13 @@ HARNESS_ACCEPTED = {
 class TracedRun:
     """One rank's tracing of a harness run: ``trace = {"root": dir, "mode": "full"|"stats",
     "background": bool, "noise_samples": S, "noise_tp": T, "noise_seed": k, "reuse_amplitudes": bool,
-    "capture": [...], "resync_from": dir}``; ``S > 0`` only on a reference: the single-process one,
+    "capture": [...], "resync_from": dir, "layout_noise": bool}``; ``S > 0`` only on a reference: the single-process one,
     or a distributed one (every rank of a TP/DP reference runs the samples in lockstep, stored
     whole, docs/distributed-reference.md; its noise models its own TP split and the candidate's
     ``noise_tp``);
+    ``layout_noise`` (default True): the samples perturb only what candidates with up to ``noise_tp``
+    tensor-parallel ranks compute differently (:func:`tracer.adapters.megatron.layout_rule`);
+    False: every op by two runs' bounds, as before;
     ``background``: the writer writes each step on a thread of its own
     (``TraceWriter(background=True)``); ``resync_from``: the candidate's trace (captured with
     ``optim``, full mode) this reference re-synchronises to at every step (:mod:`tracer.capture.resync`)."""
@@ -60,15 +63,18 @@ class TracedRun:
         self.mt = MegatronTracer(model, config, self.writer, num_microbatches=num_microbatches, optimizer=optimizer,
                                  capture=trace.get("capture", DEFAULT_CAPTURE))
         self.sampler = None
+        self.scope = None  # the noise's ModuleScope on the reference model (hooks removed by close)
         samples = int(trace.get("noise_samples", 0))
         if samples:
+            noise = reference_noise(int(trace.get("noise_tp", 2)), dtype, reference_tp=int(layout.get("tp", 1)),
+                                    model=model if trace.get("layout_noise", True) and not isinstance(model, list)
+                                    else None)
+            self.scope = noise["injector_kwargs"].get("module_of")
             self.sampler = NoiseSampler(model, optimizer, self.root, layout=lay, signature=signature,
                                         samples=samples, seed=int(trace.get("noise_seed", 0)),
                                         reuse_amplitudes=bool(trace.get("reuse_amplitudes", True)),
                                         store=trace.get("noise_store"), clean_writer=self.writer,
-                                        restart=self.resync_from is not None,
-                                        **_with_accepted(reference_noise(int(trace.get("noise_tp", 2)), dtype,
-                                                                         reference_tp=int(layout.get("tp", 1)))))
+                                        restart=self.resync_from is not None, **_with_accepted(noise))
 
     def step(self, step: int, forward_backward: Callable, forward_step: Callable) -> tuple[float, list]:
         """Run (and trace) one step: ``forward_backward(step_fn)`` runs megatron's schedule
@@ -102,6 +108,8 @@ class TracedRun:
 
     def close(self) -> None:
         self.mt.remove()
+        if self.scope is not None:
+            self.scope.remove()
         self.writer.wait()
 
 

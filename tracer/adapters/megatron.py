@@ -47,7 +47,7 @@ import contextlib
 import fnmatch
 import re
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -59,8 +59,11 @@ from tracer.trace.schema import SAME_ARITHMETIC_META, Phase
 from tracer.trace.store import TraceWriter
 from tracer.adapters.base import phases_of
 
+if TYPE_CHECKING:
+    from ttrace_num.propagate.layout import LayoutRule
+
 __all__ = ["ACTIVATION_RULES", "DEFAULT_CAPTURE", "MegatronTracer", "activation_rule", "injector_models",
-           "noise_policy", "parallel_coordinates", "parallel_layout", "reference_noise", "unwrap"]
+           "layout_rule", "noise_policy", "parallel_coordinates", "parallel_layout", "reference_noise", "unwrap"]
 
 #: Role of each traced tensor of a module class -> how it is split over TP.
 #: Values: ``"seq"`` (dim 0 split over TP under sequence parallelism, else replicated),
@@ -651,12 +654,67 @@ MEGATRON_CORE_ACCEPTED = {
 }
 
 
-def reference_noise(candidate_tp: int, dtype: str, routed: bool = False, reference_tp: int = 1) -> dict[str, Any]:
+def layout_rule(model: nn.Module, candidate_tp: int, dtype: str) -> "LayoutRule":
+    """What megatron-core candidates with tensor parallelism up to ``candidate_tp`` (with or
+    without sequence parallelism, any pipeline or data parallelism, activations in ``dtype``)
+    change, per module of the single-device reference ``model`` (its names as
+    ``unwrap(model).named_modules()`` gives them): the rule of
+    :mod:`ttrace_num.propagate.layout`.
+
+    For a module of a class in :data:`_SAME_FORWARD_CLASSES`, or a ``RowParallelLinear``:
+
+    * ``forward_gemm``: a row-parallel GEMM's reduction is split over ``tp`` ranks and the
+      partials summed in ``dtype`` (all-reduce, or reduce-scatter under SP):
+      ``Summation(split=tp, reduce_fmt=dtype)``; a column-parallel one reduces over the whole
+      input dim on one rank: identical;
+    * ``dgrad``: the transpose: a column-parallel input gradient is split (its output dim is),
+      a row-parallel one is identical;
+    * ``wgrad``: a sum over the tokens of one microbatch, all of them on the rank (SP gathers
+      the input before it): identical. Microbatches accumulate into ``main_grad`` and data-parallel
+      ranks reduce it in gradient hooks outside every module: the default model there;
+    * ``token_sum`` (norm weights and biases, biases): split over the ``tp`` ranks of a sequence-
+      parallel candidate, each rank summing its tokens, the parts reduced in ``dtype``;
+    * ``op`` (norms, softmax, attention within a head, rotary, activations, residual adds, their
+      backward): identical.
+
+    Everything else (the loss and the vocabulary-parallel cross entropy at the model's root, the
+    optimizer, gradient hooks, modules of other classes such as a mixture of experts): ``None``,
+    the injector's default. At ``candidate_tp = 1`` every split above is identical."""
+    from ttrace_num.bounds.summation import Summation
+    from ttrace_num.propagate.layout import IDENTICAL
+    classes = {n: type(m).__name__ for n, m in unwrap(model).named_modules() if n}
+    split = Summation(split=candidate_tp, reduce_fmt=dtype) if candidate_tp > 1 else IDENTICAL
+
+    def rule(module: str, computation: str):
+        cls = classes.get(module)
+        if cls is None or (cls not in _SAME_FORWARD_CLASSES and cls != "RowParallelLinear"):
+            return None
+        if computation == "forward_gemm":
+            return split if cls == "RowParallelLinear" else IDENTICAL
+        if computation == "dgrad":
+            return split if cls == "ColumnParallelLinear" else IDENTICAL
+        if computation == "token_sum":
+            return split
+        return IDENTICAL
+    return rule
+
+
+def reference_noise(candidate_tp: int, dtype: str, routed: bool = False, reference_tp: int = 1,
+                    model: nn.Module | None = None) -> dict[str, Any]:
     """Keyword arguments of :class:`tracer.capture.noise_sampler.NoiseSampler` for a megatron-core
     reference compared against candidates with tensor parallelism up to ``candidate_tp`` in
     ``dtype``: :func:`injector_models` (``routed``: a mixture-of-experts model; ``reference_tp``:
     the reference's own tensor parallelism, a distributed reference) with
-    :data:`MEGATRON_CORE_ACCEPTED`, and megatron's autograd Functions whose backward computes."""
+    :data:`MEGATRON_CORE_ACCEPTED`, and megatron's autograd Functions whose backward computes.
+
+    ``model``: the single-device reference; its noise then follows what the candidates' layout
+    changes (:func:`layout_rule`, :mod:`ttrace_num.propagate.layout`): the injector gets the rule
+    and a :class:`~ttrace_num.propagate.layout.ModuleScope` on the model as ``module_of`` (remove
+    its hooks with ``.remove()`` when the run ends). Not for a distributed reference
+    (``reference_tp > 1``, whose own splits the rule does not describe) nor a routed model."""
     models = injector_models(candidate_tp, dtype, routed, reference_split=reference_tp)
+    if model is not None and reference_tp == 1 and not routed:
+        from ttrace_num.propagate.layout import ModuleScope
+        models.update(layout=layout_rule(model, candidate_tp, dtype), module_of=ModuleScope(unwrap(model)))
     return {"injector_kwargs": {**models, "accepted": dict(MEGATRON_CORE_ACCEPTED)},
             "custom_functions": _megatron_functions()}

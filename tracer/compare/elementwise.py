@@ -54,6 +54,14 @@ comparison's probability over tensors). The model is stated, not proven: it is c
 clean comparisons of the detection and sensitivity benchmarks (``docs/detection-statistics.md``),
 where the largest clean ratio is reported.
 
+**No spread.** Where no sample moved the tensor at all (a layout that leaves its arithmetic
+unchanged predicts exactly that, :mod:`ttrace_num.propagate.layout`), the scale is 0 and an
+element is over when it differs by more than *two* storage allowances: one for a rounding of a
+value the candidate computed within the same ulp, one for a partial placement's sum of
+partials rounded once each (the reasoning, and the measured 1.125 ulps of a CP=4 loss, of
+:func:`tracer.compare.thresholds.unmodelled_threshold`, whose norm threshold is ``2 ||ulp||``);
+its ratio is then infinite.
+
 **Samples stored as moments.** A sample's summary is ``R + C + 1`` numbers, computed where
 the sample is traced (:class:`tracer.compare.deviation.MomentWriter`) from its deviation, as
 the comparison computes it from a sample stored whole: both modes give the same statistic.
@@ -152,9 +160,9 @@ def storage_allowance(ref: torch.Tensor, diff: torch.Tensor, stored: torch.dtype
     return 2 * half_ulp(ref.detach().double().abs() + diff.detach().double().abs(), get_format(stored))
 
 
-def _excess(x: torch.Tensor, ref: torch.Tensor, stored: torch.dtype) -> torch.Tensor:
-    """``(|x_i| - a_i)_+``: a difference beyond its storage allowance."""
-    return (x.abs() - storage_allowance(ref, x, stored)).clamp_min_(0.0)
+def _excess(x: torch.Tensor, ref: torch.Tensor, stored: torch.dtype, allowances: int = 1) -> torch.Tensor:
+    """``(|x_i| - k a_i)_+``: a difference beyond ``k = allowances`` storage allowances."""
+    return (x.abs() - allowances * storage_allowance(ref, x, stored)).clamp_min_(0.0)
 
 
 def _ratio_to(excess: torch.Tensor, scale_sq: torch.Tensor) -> torch.Tensor:
@@ -252,13 +260,14 @@ def element_test(diff: torch.Tensor, summaries: list[ElementSummary], ref: torch
     if not e.numel():
         return ElementTest(0.0, 0, tail, z, 0.0)
     a, b = _pooled_factors(summaries)
+    allowances = 2 if not bool((a > 0).any()) else 1  # "No spread" (module doc)
     best, at, threshold = -1.0, 0, 0.0
     for i, j in _row_chunks(*e.shape):
         ee, scale_sq = e[i:j].double(), a[i:j] * b
-        stat = _ratio_to(_excess(ee, r_all[i:j], stored), scale_sq).reshape(-1)
+        stat = _ratio_to(_excess(ee, r_all[i:j], stored, allowances), scale_sq).reshape(-1)
         k = int(stat.argmax())
         if float(stat[k]) > best:
             best, at = float(stat[k]), i * e.shape[1] + k
-            threshold = (float(storage_allowance(r_all[i:j], ee, stored).reshape(-1)[k])
+            threshold = (allowances * float(storage_allowance(r_all[i:j], ee, stored).reshape(-1)[k])
                          + tail * z * float(scale_sq.reshape(-1)[k].sqrt()))
     return ElementTest(best / (tail * z), at, tail, z, threshold)

@@ -204,8 +204,10 @@ def check_tensor(step: int, key: RecordKey, ref_e: Entry, ref_t: torch.Tensor, c
         sample_blocks = [block_scales(deviation().ref, d, work, deviation=True) for d in devs] if blocks else None
     if th.threshold == 0.0 and ref_t.is_floating_point():
         th = unmodelled_threshold(deviation().ref, ref_t.dtype)
-        sample_blocks = None  # no sample moved it: the norm statistic's ulp threshold decides alone
-        elements = False
+        # no sample moved it: the norm statistic's ulp threshold, and the element statistic with a
+        # zero scale (an element beyond its storage allowance is infinitely over; a layout that
+        # leaves the tensor's arithmetic unchanged predicts exactly this, ttrace_num.propagate.layout)
+        sample_blocks = None
     ratio, scale_error, scale_threshold = verdict_ratio(
         error, th.threshold, sample_blocks,
         lambda: cand_blocks if norms is not None else block_scales(deviation().ref, deviation().part(cand_t), work), q,

@@ -7,6 +7,10 @@ categories:
 ``perturbed``
     an op with an error model (:func:`~.calls.classify`): its result got noise of its local
     bound (and, in backward, its input gradients got theirs: :mod:`.noise`);
+``identical``
+    an op with an error model that the candidate, by the layout the injector was given
+    (:mod:`.layout`), computes with the same arithmetic as the reference: not perturbed (its
+    result in a sample differs from the clean one by what its perturbed inputs carry);
 ``exact``
     an op that cannot round, so that a correct candidate computes it bitwise like the
     reference from the same inputs: views, reshapes, indexing and gathers (``F.embedding``'s
@@ -44,7 +48,7 @@ import torch
 
 __all__ = ["CATEGORIES", "Census", "EXACT_FUNCTIONS", "op_name", "unclassified_category"]
 
-CATEGORIES = ("perturbed", "exact", "unmodelled", "optimizer", "accepted")
+CATEGORIES = ("perturbed", "identical", "exact", "unmodelled", "optimizer", "accepted")
 
 #: torch functions (by :func:`op_name`) that cannot round: their floating-point result is a
 #: selection, rearrangement, copy or constant of their inputs' values

@@ -55,6 +55,7 @@ from ..formats import NARROW_DTYPES, get_format, half_ulp
 from .calls import OpCall, classify
 from .census import Census, op_name, unclassified_category
 from .local import LocalBounds, ModelPolicy
+from .layout import IDENTICAL, LayoutRule, gemm_computation
 from .memo import AmplitudeMemo
 
 if TYPE_CHECKING:
@@ -132,6 +133,10 @@ class NoiseInjector(TorchFunctionMode):
             calls. ``None``: every amplitude is computed.
         accepted: ``{torch name: reason}`` of ops without a model that the caller accepts
             unperturbed (counted ``accepted`` in :meth:`census`, not ``unmodelled``).
+        layout: what the candidate's layout changes, per module (``module_of``) and kind of
+            computation (:mod:`.layout`): an op the candidate computes identically gets no noise
+            (counted ``identical``), a reduction it splits gets the difference of the two runs'
+            summation models, and the rule's ``None`` leaves the op to the models above.
 
     :meth:`census` counts every call the mode saw (:mod:`.census`): ``perturbed``, ``exact``,
     ``unmodelled`` (rounding arithmetic without a model: not perturbed, and reported),
@@ -143,8 +148,12 @@ class NoiseInjector(TorchFunctionMode):
                  against_exact: bool = False, backward: bool = True, module_of: Callable[[], str] | None = None,
                  calibration: "Calibration | str | None" = None, grad_summation: "Summation | None" = None,
                  variance_model: "Summation | None" = None, memo: AmplitudeMemo | None = None,
-                 accepted: "dict[str, str] | None" = None, reference_model: "Summation | None" = None):
+                 accepted: "dict[str, str] | None" = None, reference_model: "Summation | None" = None,
+                 layout: "LayoutRule | None" = None):
         super().__init__()
+        self.layout = layout
+        #: the module whose custom autograd backward is running (:func:`perturb_custom_backward`)
+        self.backward_module: str | None = None
         self.reference_model = reference_model
         self.memo = memo
         self.gen = generator
@@ -200,7 +209,16 @@ class NoiseInjector(TorchFunctionMode):
         the result, for a GEMM with a 2-D right operand, see :meth:`.memo.AmplitudeMemo.get`)."""
         if self.memo is None:
             return compute()
-        return self.memo.get(f"{what}@{self.module_of()}", operands, compute, output, rows)
+        return self.memo.get(f"{what}@{self._module()}", operands, compute, output, rows)
+
+    def _module(self) -> str:
+        """The module of the op running: the one whose custom backward runs
+        (:attr:`backward_module`), else ``module_of()``."""
+        return self.backward_module if self.backward_module is not None else self.module_of()
+
+    def _rule(self, computation: str, module: str) -> "str | Summation | None":
+        """The layout's model of ``computation`` in ``module`` (:mod:`.layout`); None without one."""
+        return None if self.layout is None else self.layout(module, computation)
 
     def _variance_amplitude(self, q: torch.Tensor, c: torch.Tensor, n: int, shape: torch.Size,
                             exact_products: bool = True, models: "tuple[Summation | None, ...] | None" = None,
@@ -219,32 +237,43 @@ class NoiseInjector(TorchFunctionMode):
         """Variance-matched noise for a sum of fp32 terms into an fp32 result."""
         return self.variance_model is not None and all(t.dtype == torch.float32 for t in tensors)
 
-    def _gemm_variance_applies(self, a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    def _gemm_variance_applies(self, a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype,
+                               split: "Summation | None" = None) -> bool:
         """Variance-matched noise for a GEMM whose operands and result share a dtype: fp32, or
         bf16/fp16 (accumulated in fp32, the result rounded; ``summation_variance`` module doc).
-        Mixed operands (an FP8 GEMM's scaled inputs, a bf16 x fp32 product) keep their bounds."""
-        return (self.variance_model is not None and isinstance(b, torch.Tensor)
+        Mixed operands (an FP8 GEMM's scaled inputs, a bf16 x fp32 product) keep their bounds.
+        ``split``: the layout's model of this GEMM (:mod:`.layout`), which applies it whatever
+        :attr:`variance_model` is."""
+        return ((self.variance_model is not None or split is not None) and isinstance(b, torch.Tensor)
                 and a.dtype == b.dtype == out_dtype and out_dtype in (torch.float32,) + NARROW_DTYPES)
 
-    def _gemm_bound(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def _gemm_bound(self, a: torch.Tensor, b: torch.Tensor, split: "Summation | None" = None) -> torch.Tensor:
         """Local bound of a GEMM ``a @ b`` computed in backward, the same model as a forward GEMM
         (:meth:`~.local.LocalBounds.of`): the policy's difference of the two runs' models when
         it has one (a TP candidate splits the input-gradient GEMMs of its column-parallel
         layers and sums the partials in the activation dtype, as the forward of its row-parallel
-        ones), else two independent runs' bounds."""
-        return self.local.of(OpCall("op", "matmul", (a, b)), None, self.module_of())
+        ones), else two independent runs' bounds. ``split``: the layout's model of the
+        candidate's GEMM (:mod:`.layout`): the difference bound of the reference's model
+        (:attr:`reference_model`, unsplit when None) and that one."""
+        if split is not None:
+            return tn.difference("matmul", a, b, model_a={"summation": self.reference_model or Summation()},
+                                 model_b={"summation": split}, **self.local.common_kwargs()).abs
+        return self.local.of(OpCall("op", "matmul", (a, b)), None, self._module())
 
     def _gemm_noise(self, a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None, shape: torch.Size,
-                    dtype: torch.dtype, output: torch.Tensor | None = None) -> torch.Tensor:
+                    dtype: torch.dtype, output: torch.Tensor | None = None, split: "Summation | None" = None
+                    ) -> torch.Tensor:
         """Noise of a GEMM result ``a @ b (+ bias)`` of ``dtype``: of :meth:`_variance_amplitude`
         where :meth:`_gemm_variance_applies` (forward and backward); else, in backward, ``U``
-        times :meth:`_gemm_bound`."""
+        times :meth:`_gemm_bound`. ``split``: the layout's model of the candidate's GEMM
+        (:mod:`.layout`), in place of :attr:`variance_model` and the policy."""
         def amplitude(a: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-            if self._gemm_variance_applies(a, b, dtype):
+            if self._gemm_variance_applies(a, b, dtype, split):
                 q, c, n, exact = matmul_sum_statistics(a, b, bias)
+                models = (self.reference_model, split) if split is not None else None
                 return self._variance_amplitude(q.reshape(shape), c.reshape(shape), n, shape, exact,
-                                                out_dtype=dtype)
-            return self._gemm_bound(a, b).reshape(shape)
+                                                models=models, out_dtype=dtype)
+            return self._gemm_bound(a, b, split).reshape(shape)
 
         def rows(index: torch.Tensor) -> torch.Tensor:
             return amplitude(_rows_of(a, index), torch.Size((index.numel(), shape[-1])))
@@ -256,8 +285,22 @@ class NoiseInjector(TorchFunctionMode):
         b = half_ulp(g.detach(), get_format(g.dtype), _work_dtype(g.dtype))
         return self._noise(b if self.local.against_exact else 2 * b, g.shape, g.dtype)
 
-    def _grad_noise_fns(self, call: OpCall, slot: _Slot) -> list[Callable[[torch.Tensor], torch.Tensor] | None]:
-        """One noise function per tensor input of ``call`` (None: no backward rounding)."""
+    def _grad_noise_fns(self, call: OpCall, slot: _Slot, module: str
+                        ) -> list[Callable[[torch.Tensor], torch.Tensor] | None]:
+        """One noise function per tensor input of ``call`` (None: no backward rounding), in
+        ``module``: where the layout (:mod:`.layout`) says the candidate computes a gradient
+        identically, none; where it splits a GEMM or a sum over tokens, that model's."""
+        token_sum = self._rule("token_sum", module)
+        if call.op in ("linear", "matmul"):
+            return self._gemm_grad_fns(call, slot, self._rule("dgrad", module), self._rule("wgrad", module),
+                                       token_sum)
+        if call.op == "add":  # a broadcast input's gradient is a sum over the broadcast dims
+            return [self._broadcast_sum_noise(t, slot, token_sum) if isinstance(t, torch.Tensor) else None
+                    for t in call.inputs]
+        if call.kind == "index":
+            return [None if token_sum == IDENTICAL else self._embedding_grad_fn(call, slot, token_sum)]
+        if self._rule("op", module) == IDENTICAL:
+            return [None] * (3 if call.op == "attention" else len(call.inputs))
         if call.op == "attention":
             return self._attention_grad_fns(call, slot)
         if call.op == "cross_entropy":
@@ -265,35 +308,36 @@ class NoiseInjector(TorchFunctionMode):
         if call.op == "mse_loss":
             fn = self._mse_grad_fn(call, slot)
             return [fn, fn]
-        if call.kind == "index":
-            return [self._embedding_grad_fn(call, slot)]
-        if call.op in ("linear", "matmul"):
-            x, w = call.inputs[0], call.inputs[1]
-            wt = w if call.op == "linear" else w.transpose(-1, -2)  # grad_x = g @ wt
-
-            def gx(g):
-                return self._gemm_noise(slot.g, wt, None, g.shape, g.dtype)
-
-            def gw(g):
-                go = slot.g.reshape(-1, slot.g.shape[-1])
-                xi = x.reshape(-1, x.shape[-1]).detach()
-                if call.op == "linear":  # grad_W = g^T x, shape (out, in)
-                    return self._gemm_noise(go.transpose(0, 1), xi, None, g.shape, g.dtype)
-                xt = x.detach().transpose(-1, -2)  # grad_B = A^T g, summed over batch dims
-                return self._noise(self._amplitude("batched-weight-grad", (xt, slot.g),
-                                                   lambda: self._batched_weight_grad_amplitude(xt, slot.g, g.shape)),
-                                   g.shape, g.dtype)
-
-            fns: list = [gx, gw]
-            if len(call.inputs) > 2:  # bias: sum of the output gradient over the tokens
-                fns.append(self._sum_noise(lambda: slot.g, call.inputs[2].shape, call.inputs[2].dtype))
-            return fns
-        if call.op == "add":  # a broadcast input's gradient is a sum over the broadcast dims
-            return [self._broadcast_sum_noise(t, slot) if isinstance(t, torch.Tensor) else None
-                    for t in call.inputs]
         if call.op == "add_scalar" or (call.kind == "rounding" and call.exact):
             return [None] * len(call.inputs)  # gradient passes through exactly
         return [self._grad_rounding] * len(call.inputs)
+
+    def _gemm_grad_fns(self, call: OpCall, slot: _Slot, dgrad: "str | Summation | None",
+                       wgrad: "str | Summation | None", token_sum: "str | Summation | None") -> list:
+        """Gradient noise of a ``linear``/``matmul``'s input, weight (and bias): GEMMs (and a sum
+        over tokens) of the models the layout gives them (:mod:`.layout`; None: the defaults)."""
+        x, w = call.inputs[0], call.inputs[1]
+        wt = w if call.op == "linear" else w.transpose(-1, -2)  # grad_x = g @ wt
+
+        def gx(g):
+            return self._gemm_noise(slot.g, wt, None, g.shape, g.dtype, split=_split(dgrad))
+
+        def gw(g):
+            go = slot.g.reshape(-1, slot.g.shape[-1])
+            xi = x.reshape(-1, x.shape[-1]).detach()
+            if call.op == "linear":  # grad_W = g^T x, shape (out, in)
+                return self._gemm_noise(go.transpose(0, 1), xi, None, g.shape, g.dtype, split=_split(wgrad))
+            xt = x.detach().transpose(-1, -2)  # grad_B = A^T g, summed over batch dims
+            return self._noise(self._amplitude("batched-weight-grad", (xt, slot.g),
+                                               lambda: self._batched_weight_grad_amplitude(xt, slot.g, g.shape)),
+                               g.shape, g.dtype)
+
+        fns: list = [None if dgrad == IDENTICAL else gx, None if wgrad == IDENTICAL else gw]
+        if len(call.inputs) > 2:  # bias: sum of the output gradient over the tokens
+            fns.append(None if token_sum == IDENTICAL else
+                       self._sum_noise(lambda: slot.g, call.inputs[2].shape, call.inputs[2].dtype,
+                                       split=_split(token_sum)))
+        return fns
 
     def _attention_grad_fns(self, call: OpCall, slot: _Slot) -> list[Callable[[torch.Tensor], torch.Tensor]]:
         """Gradient noise of ``F.scaled_dot_product_attention``'s ``q``, ``k``, ``v``: ``U`` times the
@@ -359,7 +403,8 @@ class NoiseInjector(TorchFunctionMode):
             return self._noise(torch.broadcast_to(amp, g.shape), g.shape, g.dtype)
         return noise
 
-    def _embedding_grad_fn(self, call: OpCall, slot: _Slot) -> Callable[[torch.Tensor], torch.Tensor]:
+    def _embedding_grad_fn(self, call: OpCall, slot: _Slot, split: "Summation | None" = None
+                           ) -> Callable[[torch.Tensor], torch.Tensor]:
         """Gradient noise of ``F.embedding``'s weight. Its forward is exact (a gather of rows);
         its weight gradient is, per vocabulary row ``r``, the sum of the output gradients of the
         tokens with index ``r``. torch's CPU kernel (``embedding_dense_backward_cpu``) adds them
@@ -374,11 +419,12 @@ class NoiseInjector(TorchFunctionMode):
         bounds every order, so a kernel that sorts the indices is covered too. Rows are
         grouped by their number of occurrences (one ``(count, rows, D)`` tensor per distinct
         count: the terms take the memory of the gradient once); rows no token uses have an
-        exactly zero gradient (amplitude 0)."""
+        exactly zero gradient (amplitude 0). ``split``: the layout's model of the candidate's
+        token sums (:mod:`.layout`), in place of ``grad_summation``."""
         w = call.inputs[0]
         idx, pad = call.kwargs["indices"], call.kwargs["padding_idx"]
         scale = 1.0 if self.local.against_exact else 2.0
-        gs = self.grad_summation
+        gs = _split(split) or self.grad_summation
         model = Summation(accum=get_format(w.dtype), split=gs.split if gs else 1,
                           reduce_fmt=gs.reduce_fmt if gs else None)
 
@@ -425,8 +471,8 @@ class NoiseInjector(TorchFunctionMode):
         return b.reshape(shape)
 
     def _sum_noise(self, terms: Callable[[], torch.Tensor], shape: torch.Size, dtype: torch.dtype,
-                   chain_in_dtype: bool = False, operands: Callable[[], tuple] | None = None
-                   ) -> Callable[[torch.Tensor], torch.Tensor]:
+                   chain_in_dtype: bool = False, operands: Callable[[], tuple] | None = None,
+                   split: "Summation | None" = None) -> Callable[[torch.Tensor], torch.Tensor]:
         """Noise for a parameter-like gradient ``sum_k terms()[k]`` (shape ``(K, *shape)``): the
         sum bound under ``grad_summation`` (e.g. split over TP ranks under sequence
         parallelism), twice for two runs.
@@ -445,16 +491,21 @@ class NoiseInjector(TorchFunctionMode):
         square to the variance. Where such a chain can absorb whole addends (long, of one sign:
         ``may_stagnate``), those elements take the deterministic difference bound.
 
-        ``operands``: what the terms are computed from, for :attr:`memo` (default the terms)."""
+        ``operands``: what the terms are computed from, for :attr:`memo` (default the terms).
+        ``split``: the layout's model of the candidate's sum (:mod:`.layout`), in place of
+        ``grad_summation`` and ``variance_model``."""
         scale = 1.0 if self.local.against_exact else 2.0
-        kw = {**self.local.common_kwargs(), **({"summation": self.grad_summation} if self.grad_summation else {})}
+        summation = split or self.grad_summation
+        kw = {**self.local.common_kwargs(), **({"summation": summation} if summation else {})}
 
         def amplitude(g: torch.Tensor) -> torch.Tensor:
             exact_terms = terms().detach().reshape(-1, *shape)  # computed once (x_hat is a pass of its own)
             t = exact_terms.to(dtype)
+            parts = summation.split if summation else 1
             if chain_in_dtype:
-                split = self.grad_summation.split if self.grad_summation else 1
-                models = (Summation(accum=dtype), Summation(accum=dtype, split=split, reduce_fmt="fp32"))
+                models = (Summation(accum=dtype), Summation(accum=dtype, split=parts, reduce_fmt="fp32"))
+            elif split is not None and t.dtype == torch.float32:
+                models = (self.reference_model, split)
             elif self._variance_applies(t):
                 models = None  # a run of reference_model (unsplit fp32) vs one of variance_model
             else:
@@ -464,7 +515,7 @@ class NoiseInjector(TorchFunctionMode):
             # the terms may be rounded products (g * x_hat)
             amp = self._variance_amplitude(q, c, t.shape[0], g.shape, exact_products=False, models=models)
             if chain_in_dtype:  # the chain's one-sided part, then where it can absorb whole addends
-                systematic = chain_split_difference(exact_terms, dtype, split)
+                systematic = chain_split_difference(exact_terms, dtype, parts)
                 amp = torch.sqrt(amp * amp + 3.0 * systematic.reshape(g.shape) ** 2)
                 stuck = may_stagnate(t64, get_format(dtype)).reshape(g.shape)
                 if bool(stuck.any()):
@@ -478,20 +529,25 @@ class NoiseInjector(TorchFunctionMode):
             return self._noise(self._amplitude("sum", deps, lambda: amplitude(g)), g.shape, g.dtype)
         return fn
 
-    def _broadcast_sum_noise(self, t: torch.Tensor, slot: _Slot):
+    def _broadcast_sum_noise(self, t: torch.Tensor, slot: _Slot, token_sum: "str | Summation | None" = None):
         """Gradient noise of an ``add`` input broadcast along leading dims (a bias): None when
-        ``t`` is not broadcast (its gradient passes through exactly)."""
+        ``t`` is not broadcast (its gradient passes through exactly), or when the layout's
+        ``token_sum`` model is :data:`~.layout.IDENTICAL`."""
         def terms():
             return slot.g
-        if not t.requires_grad or t.dim() == 0:
+        if not t.requires_grad or t.dim() == 0 or token_sum == IDENTICAL:
             return None
-        return lambda g: (self._sum_noise(terms, t.shape, g.dtype)(g) if slot.g is not None
+        return lambda g: (self._sum_noise(terms, t.shape, g.dtype, split=_split(token_sum))(g) if slot.g is not None
                           and slot.g.numel() > t.numel() and tuple(slot.g.shape[-t.dim():]) == tuple(t.shape)
                           else torch.zeros(g.shape, dtype=torch.float64))
 
-    def _norm_param_noise(self, call: OpCall, slot: _Slot) -> dict[int, Callable]:
+    def _norm_param_noise(self, call: OpCall, slot: _Slot, token_sum: "str | Summation | None" = None
+                          ) -> dict[int, Callable]:
         """Gradient noise of a norm's weight and bias: sums over the tokens of
-        ``g * x_hat`` and ``g`` (see :meth:`_sum_noise`). Keys: argument positions 2, 3."""
+        ``g * x_hat`` and ``g`` (see :meth:`_sum_noise`), under the layout's ``token_sum`` model
+        (none where it is :data:`~.layout.IDENTICAL`). Keys: argument positions 2, 3."""
+        if token_sum == IDENTICAL:
+            return {}
         x_in = call.inputs[0].detach()
         shape, eps = tuple(call.kwargs["normalized_shape"]), call.kwargs["eps"]
         dims = tuple(range(-len(shape), 0))
@@ -507,9 +563,9 @@ class NoiseInjector(TorchFunctionMode):
         chain = call.op == "layer_norm" and x_in.device.type == "cpu" and x_in.dtype in (torch.bfloat16, torch.float16)
         if isinstance(w, torch.Tensor) and w.requires_grad:
             out[2] = self._sum_noise(lambda: slot.g.double() * xhat(), w.shape, w.dtype, chain,
-                                     operands=lambda: (slot.g, x_in))
+                                     operands=lambda: (slot.g, x_in), split=_split(token_sum))
         if isinstance(b, torch.Tensor) and b.requires_grad:
-            out[3] = self._sum_noise(lambda: slot.g, b.shape, b.dtype, chain)
+            out[3] = self._sum_noise(lambda: slot.g, b.shape, b.dtype, chain, split=_split(token_sum))
         return out
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -534,8 +590,9 @@ class NoiseInjector(TorchFunctionMode):
             self._census.add(category, name)
             return out
         slot = _Slot()
+        module = self._module()
         if self.backward and torch.is_grad_enabled():
-            fns = self._grad_noise_fns(call, slot)
+            fns = self._grad_noise_fns(call, slot, module)
             if call.op == "attention":  # by position: q, k, v may be one tensor
                 args, kwargs = _wrap_at(args, kwargs, ("query", "key", "value"), fns)
             elif call.kind == "index":
@@ -543,7 +600,8 @@ class NoiseInjector(TorchFunctionMode):
             else:
                 args = tuple(_wrap(a, call.inputs, fns) for a in args)
             if call.op in ("layer_norm", "rms_norm"):
-                args, kwargs = _wrap_norm_params(args, kwargs, self._norm_param_noise(call, slot))
+                args, kwargs = _wrap_norm_params(args, kwargs,
+                                                 self._norm_param_noise(call, slot, self._rule("token_sum", module)))
             call = classify(func, args, kwargs)  # inputs are now the wrapped tensors
         out = func(*args, **kwargs)
         if not _rounds(call, out):  # an exact gather, power-of-two scaling or widening cast
@@ -552,28 +610,38 @@ class NoiseInjector(TorchFunctionMode):
                 return _CaptureGrad.apply(out, slot) if self.backward and out.requires_grad else out
             if not (isinstance(out, torch.Tensor) and out.is_floating_point()):
                 return out  # a cast to an integer type: nothing to perturb
-        else:
-            self._census.add("perturbed", op_name(func))
+        rule = None
+        if _rounds(call, out):
+            gemm = call.op in ("linear", "matmul")
+            rule = self._rule(gemm_computation(call.inputs, self.backward_module is not None) if gemm else "op", module)
+            self._census.add("identical" if rule == IDENTICAL else "perturbed", op_name(func))
         with torch._C.DisableTorchFunction():  # the injector's own arithmetic: no other mode sees it
-            return self._perturbed(call, out, slot)
+            return self._perturbed(call, out, slot, module, rule)
 
-    def _perturbed(self, call: OpCall, out: torch.Tensor, slot: _Slot) -> torch.Tensor:
-        """``out`` plus the noise of ``call`` (module doc), differentiable when ``out`` is."""
-        if call.op in ("linear", "matmul") and self._gemm_variance_applies(call.inputs[0], call.inputs[1], out.dtype):
+    def _perturbed(self, call: OpCall, out: torch.Tensor, slot: _Slot, module: str,
+                   rule: "str | Summation | None" = None) -> torch.Tensor:
+        """``out`` plus the noise of ``call`` (module doc), differentiable when ``out`` is;
+        ``rule``: the layout's model of the call (:mod:`.layout`): :data:`~.layout.IDENTICAL`
+        adds no noise, a ``Summation`` is the candidate's model of a GEMM."""
+        gemm = call.op in ("linear", "matmul")
+        if rule == IDENTICAL:
+            noise = None
+        elif gemm and (rule is not None or self._gemm_variance_applies(call.inputs[0], call.inputs[1], out.dtype)):
             a, w = call.inputs[0], call.inputs[1]
             bias = call.inputs[2] if len(call.inputs) > 2 else None
             noise = self._gemm_noise(a, w.transpose(-1, -2) if call.op == "linear" else w, bias, out.shape,
-                                     out.dtype, out)
+                                     out.dtype, out, split=_split(rule))
         elif call.kind == "op":  # a model's bound: worth reusing (a rounding's costs less than a lookup)
             kwargs_in = tuple(v for _, v in sorted(call.kwargs.items()))
-            module = self.module_of()
             noise = self._noise(self._amplitude(call.op, call.inputs + kwargs_in,
                                                 lambda: self.local.of(call, out, module), out,
                                                 _gemm_rows(call, out, lambda c: self.local.of(c, None, module))),
                                 out.shape, out.dtype)
         else:  # one rounding: a float32 result's exactly in float32 where its amplitudes are float32
-            b = self.local.of(call, out, self.module_of(), fp32=True)
+            b = self.local.of(call, out, module, fp32=True)
             noise = self._noise(b, out.shape, out.dtype, b.dtype if b.dtype == out.dtype == torch.float32 else None)
+        if noise is None:
+            return _CaptureGrad.apply(out, slot) if self.backward and out.requires_grad else out
         noisy = (out.detach().to(noise.dtype) + noise).to(out.dtype)
         self.perturbed += 1
         if out.requires_grad:
@@ -584,6 +652,11 @@ class NoiseInjector(TorchFunctionMode):
                 out = _CaptureGrad.apply(out, slot)
             return out
         return noisy
+
+
+def _split(rule: "str | Summation | None") -> "Summation | None":
+    """The ``Summation`` of a layout rule's answer (:mod:`.layout`); None for the others."""
+    return rule if isinstance(rule, Summation) else None
 
 
 def _distributed_tensor_call(args: tuple, kwargs: dict) -> bool:
@@ -690,22 +763,35 @@ def perturb_custom_backward(injector: NoiseInjector, *functions: type) -> Iterat
     were active around ``loss.backward()`` (measured, torch 2.13), so the GEMMs inside, e.g.
     megatron-core's ``LinearWithGradAccumulationAndAsyncCommunication`` (input and weight
     gradients of every tensor-parallel linear), would escape the injector. Inside the patched
-    backward they are ordinary (no-grad) op calls, perturbed by their local bound.
+    backward they are ordinary (no-grad) op calls, perturbed by their local bound. The patched
+    forward notes the module it runs in (the injector's ``module_of``), and the backward runs with
+    it as the injector's :attr:`~NoiseInjector.backward_module`, for the layout's rules
+    (:mod:`.layout`: a GEMM there is a ``dgrad`` or a ``wgrad``).
     """
-    saved = {f: f.__dict__["backward"] for f in functions}
+    saved = {f: (f.__dict__["forward"], f.__dict__["backward"]) for f in functions}
 
-    def patched(orig):
+    def patched_forward(orig):
+        def forward(ctx, *args, **kwargs):
+            ctx.ttrace_module = injector.module_of()
+            return orig.__func__(*((ctx,) + args), **kwargs)
+        return staticmethod(forward)
+
+    def patched_backward(orig):
         def backward(ctx, *grads):
-            with injector:
-                return orig.__func__(ctx, *grads)
+            before, injector.backward_module = injector.backward_module, getattr(ctx, "ttrace_module", "")
+            try:
+                with injector:
+                    return orig.__func__(ctx, *grads)
+            finally:
+                injector.backward_module = before
         return staticmethod(backward)
     try:
-        for f, orig in saved.items():
-            f.backward = patched(orig)
+        for f, (fwd, bwd) in saved.items():
+            f.forward, f.backward = patched_forward(fwd), patched_backward(bwd)
         yield
     finally:
-        for f, orig in saved.items():
-            f.backward = orig
+        for f, (fwd, bwd) in saved.items():
+            f.forward, f.backward = fwd, bwd
 
 
 def _wrap_norm_params(args: tuple, kwargs: dict, fns: dict[int, Callable]) -> tuple[tuple, dict]:
