@@ -123,9 +123,10 @@ def test_compare_reads_moments_as_it_reads_whole_samples(tmp_path):
     sample = TraceReader(tmp_path / "moments" / "ref" / "noise" / "sample_0")
     by_name = {e.name: e for e in sample.entries(0, 0)}
     assert by_name["a"].extra[DEVIATION_FIELD] == {"dtype": "float32", "shape": [32, 16], "sample": 0, "blocks": 16,
-                                                   "element_rows": 32}
-    assert (by_name["a"].dtype, by_name["a"].shape) == ("float64", (3 + 16 + 1 + 32 + 16,))
-    assert by_name["b"].shape == (3 + 4 + 1 + 1 + 8,)
+                                                   "element_rows": 32, "element_flips": True}
+    # the moments, the block coordinates, then L_s, K_s and the margins
+    assert (by_name["a"].dtype, by_name["a"].shape) == ("float64", (3 + 16 + 2 + 32 + 16,))
+    assert by_name["b"].shape == (3 + 4 + 2 + 1 + 8,)
     assert DEVIATION_FIELD not in by_name["idx"].extra and by_name["idx"].shape == (6,)
 
 
@@ -183,10 +184,10 @@ def test_a_tensor_the_clean_step_did_not_trace_is_stored_whole(tmp_path):
     assert DEVIATION_FIELD in e["a"].extra and DEVIATION_FIELD not in e["new"].extra
     # z = q = 3 (d = 1 everywhere), c = 0 (first sample), then one block per element: y_b = d r / |r| = 1,
     # then the element summary: L = (1 - ulp(2)) / 1 (each element against the others' mean square 1), the
-    # one row's sum 3, the columns' sums 1
+    # flip count K = 1 (no element's scale is below its ulp), the one row's sum 3, the columns' sums 1
     values = TraceReader(tmp_path / "s0").load(0, 0, e["a"].key).tolist()
     assert values[:6] == [3.0, 3.0, 0.0, 1.0, 1.0, 1.0]
-    assert values[6] == pytest.approx(1 - 2 ** -22, rel=1e-12) and values[7:] == [3.0, 1.0, 1.0, 1.0]
+    assert values[6] == pytest.approx(1 - 2 ** -22, rel=1e-12) and values[7:] == [1.0, 3.0, 1.0, 1.0, 1.0]
 
 
 # ------------------------------------------------------------------ a real noise sampler

@@ -139,6 +139,43 @@ def test_summary_round_trip():
     assert element_test(e, back, REF, F64, 1e-3) == _test(e, devs)
 
 
+def test_a_summary_written_before_the_flip_count_reads_as_one_allowance():
+    gen = torch.Generator().manual_seed(4)
+    s = summarize(_legit(gen), REF, F64)
+    from tracer.compare.elementwise import ElementSummary
+    old = torch.cat([s.flat()[:1], s.flat()[2:]])  # [L_s, rho..., kappa...]
+    back = ElementSummary.from_flat(old, 40, flips=False)
+    assert back.flips == 1 and torch.equal(back.rows, s.rows) and back.largest == s.largest
+
+
+def _flipped(gen: torch.Generator, ulp: torch.Tensor, ulps: int, fraction: float = 0.01) -> torch.Tensor:
+    """Rounding flips: a random ``fraction`` of the elements moved by ``ulps`` ulps, the rest not."""
+    mask = torch.rand(ulp.shape, generator=gen, dtype=torch.float64) < fraction
+    sign = torch.where(torch.rand(ulp.shape, generator=gen, dtype=torch.float64) < 0.5, -1.0, 1.0)
+    return torch.where(mask, sign * ulps * ulp, 0.0)
+
+
+def test_rounding_flips_of_several_ulps_are_allowed_as_the_samples_show_them():
+    """fp32 values whose real change is below an ulp move by whole ulps (module doc, "Rounding
+    flips"): samples with sparse 2-ulp flips make an isolated 2-ulp flip of the candidate
+    legitimate (the Gaussian model alone calls it ~10 sigma), a 4-ulp move is still flagged; with
+    samples that flip by one ulp only, the 2-ulp move is flagged."""
+    gen = torch.Generator().manual_seed(5)
+    ref = (1 + torch.rand(40, 50, generator=gen, dtype=torch.float64)).float().double()
+    ulp = storage_allowance(ref, torch.zeros_like(ref), torch.float32)
+    two = [_flipped(gen, ulp, 2) for _ in range(4)]
+    assert all(summarize(d, ref, torch.float32).flips == 2 for d in two)
+    e = torch.zeros_like(ref)
+    e[7, 9] = 2 * ulp[7, 9]
+    res = _test(e, two, ref, torch.float32)
+    assert res.allowances == 2 and res.ratio == 0
+    e[7, 9] = 4 * ulp[7, 9]
+    assert _test(e, two, ref, torch.float32).ratio > 1
+    one = [_flipped(gen, ulp, 1) for _ in range(4)]
+    e[7, 9] = 2 * ulp[7, 9]
+    assert _test(e, one, ref, torch.float32).ratio > 1
+
+
 @pytest.mark.parametrize("phase,shared,discrete,applies", [
     ("fwd", True, False, True), ("bwd", True, False, True), ("grad", True, False, True), ("loss", True, False, True),
     ("param", True, False, False), ("exp_avg", True, False, False),   # after the update: Adam's sign flips

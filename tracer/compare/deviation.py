@@ -27,8 +27,8 @@ After the triple come, where the block-scale statistic applies (:func:`block_sca
 the sample's block coordinates ``y_s`` (:func:`tracer.compare.blockscale.block_scales`, at most 16 values),
 from which that statistic's threshold is computed as from whole samples; then, for the tensors
 recorded before the optimizer update, the sample's
-:class:`~tracer.compare.elementwise.ElementSummary` (``1 + R + C`` values: its largest
-standardised excess and the margins of ``d_s^2``), from which the element statistic is computed
+:class:`~tracer.compare.elementwise.ElementSummary` (``2 + R + C`` values: its largest
+standardised excess, its largest rounding flip in storage allowances and the margins of ``d_s^2``), from which the element statistic is computed
 as from whole samples. The entry's :data:`DEVIATION_FIELD` says how many of each follow. The thresholds are
 those of the whole samples up to rounding (the sums are float64), each sample's trace stays
 self-contained, and a comparison reads at most ``152 S`` bytes per tensor instead of ``S``
@@ -57,7 +57,7 @@ from tracer.errors import TraceError
 from tracer.trace.schema import PRE_UPDATE_PHASES, Entry, Phase, RecordKey
 from tracer.trace.store import TraceReader, TraceWriter
 
-__all__ = ["BLOCKS_FIELD", "DEVIATION_FIELD", "ELEMENT_ROWS_FIELD", "DeviationOf", "MomentAccumulator", "MomentWriter",
+__all__ = ["BLOCKS_FIELD", "DEVIATION_FIELD", "ELEMENT_FLIPS_FIELD", "ELEMENT_ROWS_FIELD", "DeviationOf", "MomentAccumulator", "MomentWriter",
            "SampleMoments", "StorageRoundingExcess", "block_scale_applies", "combined_moments", "storage_rounding_allowance",
            "storage_rounding_excess", "stored_rounded", "work_dtype"]
 
@@ -70,6 +70,9 @@ DEVIATION_FIELD = "deviation_moments_of"
 #: :class:`~tracer.compare.elementwise.ElementSummary` after them (absent: none stored)
 BLOCKS_FIELD = "blocks"
 ELEMENT_ROWS_FIELD = "element_rows"
+#: present (True) where the element summary holds ``K_s`` (:class:`~tracer.compare.elementwise.ElementSummary`);
+#: a trace written before it holds ``[L_s, rho..., kappa...]``
+ELEMENT_FLIPS_FIELD = "element_flips"
 
 #: stored dtypes whose comparison arithmetic runs in float32 (:func:`work_dtype`)
 _FLOAT32_WORK = (torch.float32, torch.bfloat16, torch.float16)
@@ -292,6 +295,7 @@ class MomentWriter(TraceWriter):
         if entry["phase"] in PRE_UPDATE_PHASES and d.numel():
             parts.append(summarize(d, dev.ref, ref.dtype).flat())
             of[ELEMENT_ROWS_FIELD] = view_rows(d.shape)[0]
+            of[ELEMENT_FLIPS_FIELD] = True
         values = torch.cat(parts)
         stored = dict(entry, dtype="float64", shape=[values.numel()], **{DEVIATION_FIELD: of})
         return stored, values
@@ -333,6 +337,8 @@ def combined_moments(entries: list[Entry], stored: list[torch.Tensor], ref_entry
     nb = int(layout.get(BLOCKS_FIELD, 0 if ELEMENT_ROWS_FIELD in layout else stored[0].numel() - 3))
     blocks = [stored[i][3:3 + nb] for i in order] if nb > 0 else None
     rows = layout.get(ELEMENT_ROWS_FIELD)
-    elements = [ElementSummary.from_flat(stored[i][3 + nb:], int(rows)) for i in order] if rows is not None else None
+    flips = bool(layout.get(ELEMENT_FLIPS_FIELD, False))
+    elements = ([ElementSummary.from_flat(stored[i][3 + nb:], int(rows), flips) for i in order]
+                if rows is not None else None)
     return SampleMoments([z for z, _, _ in zqc], math.fsum(q for _, q, _ in zqc) + 2 * math.fsum(c for _, _, c in zqc),
                          blocks, elements)

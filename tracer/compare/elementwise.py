@@ -45,14 +45,30 @@ Phi^{-1}(1 - ln 2 / (2N))`` (a one-sample fit is noisier than the pooled one, wh
 ``L_s`` larger: conservative). The tail scale is ``sigma = max(1, max_s L_s / z_med)``: 1 when the
 samples' largest values are no heavier than Gaussian, larger in proportion when they are.
 
-**Threshold.** Element ``i`` is over when ``|e_i| > a_i + sigma z_q w_i``, ``z_q = Phi^{-1}(1 -
-q / (2N))``; the statistic is ``max_i (|e_i| - a_i)_+ / (sigma z_q w_i)``. Under the model
-(``(|e_i| - a_i)_+ / (sigma w_i)`` no heavier-tailed than a standard normal's magnitude beyond the
+**Threshold.** Element ``i`` is over when ``|e_i| > k a_i + sigma z_q w_i`` (``k``: "Rounding
+flips" below, 1 unless the samples show flips of several ulps), ``z_q = Phi^{-1}(1 -
+q / (2N))``; the statistic is ``max_i (|e_i| - k a_i)_+ / (sigma z_q w_i)``. Under the model
+(``(|e_i| - k a_i)_+ / (sigma w_i)`` no heavier-tailed than a standard normal's magnitude beyond the
 level the samples show) each element exceeds its threshold with probability ``<= q / N``, the
 tensor with probability ``<= q`` (Bonferroni over the elements, as the checker splits its
 comparison's probability over tensors). The model is stated, not proven: it is checked by the
 clean comparisons of the detection and sensitivity benchmarks (``docs/detection-statistics.md``),
 where the largest clean ratio is reported.
+
+**Rounding flips.** Where an element's legitimate difference is below one allowance (its real
+value moves by a fraction of an ulp), the stored value moves by whole ulps or not at all: a
+rounding flip, of one ulp per rounding of the chain from the last real-valued change to the
+stored result (an fp32 softmax: the exponential, the division, up to 2 ulps), with a
+probability in proportion to the real change. The Gaussian model on ``w_i`` does not describe
+that: the pooled mean square of sparse one-ulp flips is a fraction of an ulp, against which a
+legitimate two-ulp flip is a 10-sigma event (measured: an fp32 softmax output of the
+re-synchronised sensitivity comparison, ratio 1.76, once the noise followed the layout). Each
+sample therefore records ``K_s``, the largest number of allowances (``ceil(|d_i| / a_i)``) by
+which it moved an element whose legitimate scale, its own leave-one-out fit, is below one
+allowance, at most :data:`FLIP_ALLOWANCES_MAX` = 4 (a chain of up to four roundings: a norm's
+mean, variance, reciprocal square root and scaling); the allowance is ``k a_i`` with ``k =
+max_s K_s``, and ``L_s`` is taken beyond the sample's own ``K_s`` allowances. Larger moves in
+that regime are left to the tail scale.
 
 **No spread.** Where no sample moved the tensor at all (a layout that leaves its arithmetic
 unchanged predicts exactly that, :mod:`ttrace_num.propagate.layout`), the scale is 0 and an
@@ -90,7 +106,7 @@ import torch
 
 from tracer.trace.schema import PRE_UPDATE_PHASES
 
-__all__ = ["ElementSummary", "ElementTest", "element_statistic_applies", "element_test", "pooled_scale",
+__all__ = ["FLIP_ALLOWANCES_MAX", "ElementSummary", "ElementTest", "element_statistic_applies", "element_test", "pooled_scale",
            "storage_allowance", "summarize", "view_rows"]
 
 
@@ -101,11 +117,12 @@ _FLOAT64_MAX = torch.finfo(torch.float64).max
 class ElementTest:
     """The element statistic of one tensor (module doc)."""
 
-    ratio: float        # max_i (|e_i| - a_i)_+ / (sigma z w_i)
+    ratio: float        # max_i (|e_i| - k a_i)_+ / (sigma z w_i)
     index: int          # flat index of the element that sets it
     tail_scale: float   # sigma
     z: float            # z_q
-    threshold: float    # a_i + sigma z w_i at that element
+    threshold: float    # k a_i + sigma z w_i at that element
+    allowances: int = 1  # k: storage allowances per element (module doc, "Rounding flips")
 
 
 @dataclass(frozen=True)
@@ -116,19 +133,24 @@ class ElementSummary:
     rows: torch.Tensor   # rho_r = sum_c d_rc^2, float64 [R]
     cols: torch.Tensor   # kappa_c = sum_r d_rc^2, float64 [C]
     largest: float       # L_s
+    flips: int = 1       # K_s: the most storage allowances a rounding flip moved an element by
 
     def flat(self) -> torch.Tensor:
-        """``[L_s, rho..., kappa...]`` (float64), as a sample stored as moments keeps it; an infinite
-        ``L_s`` as the largest float64 (a trace's finite values are checked as such)."""
+        """``[L_s, K_s, rho..., kappa...]`` (float64), as a sample stored as moments keeps it; an
+        infinite ``L_s`` as the largest float64 (a trace's finite values are checked as such)."""
         largest = min(self.largest, _FLOAT64_MAX)
-        return torch.cat([torch.tensor([largest], dtype=torch.float64), self.rows, self.cols])
+        return torch.cat([torch.tensor([largest, float(self.flips)], dtype=torch.float64), self.rows, self.cols])
 
     @staticmethod
-    def from_flat(values: torch.Tensor, rows: int) -> "ElementSummary":
-        """The inverse of :meth:`flat` for a tensor of ``rows`` rows."""
+    def from_flat(values: torch.Tensor, rows: int, flips: bool = True) -> "ElementSummary":
+        """The inverse of :meth:`flat` for a tensor of ``rows`` rows; ``flips=False``: a summary
+        written before ``K_s`` was kept (``[L_s, rho..., kappa...]``), read as ``K_s = 1``."""
         largest = float(values[0])
-        return ElementSummary(values[1:1 + rows].double(), values[1 + rows:].double(),
-                              math.inf if largest >= _FLOAT64_MAX else largest)
+        largest = math.inf if largest >= _FLOAT64_MAX else largest
+        if not flips:
+            return ElementSummary(values[1:1 + rows].double(), values[1 + rows:].double(), largest)
+        return ElementSummary(values[2:2 + rows].double(), values[2 + rows:].double(), largest,
+                              max(1, int(values[1])))
 
 
 def element_statistic_applies(phase: str, shared_start: bool, discrete: bool) -> bool:
@@ -182,9 +204,10 @@ def _row_chunks(rows: int, cols: int) -> list[tuple[int, int]]:
 
 def summarize(deviation: torch.Tensor, ref: torch.Tensor, stored: torch.dtype) -> ElementSummary:
     """A noise sample's :class:`ElementSummary` from its deviation ``d`` from the reference
-    ``ref`` (stored in ``stored``): the margins of ``d^2`` and ``L_s`` against the rank-1 fit of
-    its own margins with each element left out (module doc, "Tail scale"). Two passes over ``d``
-    by chunks of rows, in float64."""
+    ``ref`` (stored in ``stored``): the margins of ``d^2``, ``K_s`` (module doc, "Rounding flips")
+    and ``L_s`` against the rank-1 fit of its own margins with each element left out, beyond
+    ``K_s`` allowances (module doc, "Tail scale"). Two passes over ``d`` by chunks of rows, in
+    float64."""
     d = _as_rows(deviation.detach())
     r_all = _as_rows(ref.detach())
     r, c = d.shape
@@ -196,7 +219,8 @@ def summarize(deviation: torch.Tensor, ref: torch.Tensor, stored: torch.dtype) -
         rows[i:j] = sq.sum(1)
         cols += sq.sum(0)
     total = float(rows.sum())
-    largest = 0.0
+    largest = [0.0] * FLIP_ALLOWANCES_MAX  # L_s beyond k = 1..K_max allowances
+    flips = 1
     for i, j in chunks:
         dd = d[i:j].double()
         sq = dd * dd
@@ -212,8 +236,27 @@ def summarize(deviation: torch.Tensor, ref: torch.Tensor, stored: torch.dtype) -
             col_mean = (cols[None, :] - sq) / (r - 1)
             fit = torch.where((row_mean > 0) & (col_mean > 0),
                               row_mean * col_mean / mean.clamp_min(torch.finfo(torch.float64).tiny), mean)
-        largest = max(largest, float(_ratio_to(_excess(dd, r_all[i:j], stored), fit).max()))
-    return ElementSummary(rows, cols, largest)
+        allowance = storage_allowance(r_all[i:j], dd, stored)
+        flips = max(flips, _flips(dd, allowance, fit))
+        for k in range(FLIP_ALLOWANCES_MAX):
+            excess = (dd.abs() - (k + 1) * allowance).clamp_min_(0.0)
+            largest[k] = max(largest[k], float(_ratio_to(excess, fit).max()))
+    return ElementSummary(rows, cols, largest[flips - 1], flips)
+
+
+#: the most storage allowances a rounding flip may move an element by (module doc, "Rounding flips")
+FLIP_ALLOWANCES_MAX = 4
+
+
+def _flips(d: torch.Tensor, allowance: torch.Tensor, fit: torch.Tensor) -> int:
+    """``K_s`` over a chunk: the largest ``ceil(|d_i| / a_i)``, at most :data:`FLIP_ALLOWANCES_MAX`,
+    over the elements whose legitimate scale (the sample's own leave-one-out fit) is below one
+    allowance, where any move is a rounding flip (module doc, "Rounding flips"); 1 when none."""
+    flip = (fit < allowance * allowance) & (allowance > 0)
+    if not bool(flip.any()):
+        return 1
+    ulps = torch.ceil(d.abs()[flip] / allowance[flip] - 1e-9)
+    return int(min(FLIP_ALLOWANCES_MAX, max(1.0, float(ulps.max()))))
 
 
 def _pooled_factors(summaries: list[ElementSummary]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,7 +303,8 @@ def element_test(diff: torch.Tensor, summaries: list[ElementSummary], ref: torch
     if not e.numel():
         return ElementTest(0.0, 0, tail, z, 0.0)
     a, b = _pooled_factors(summaries)
-    allowances = 2 if not bool((a > 0).any()) else 1  # "No spread" (module doc)
+    # "Rounding flips" and "No spread" (module doc)
+    allowances = max(s.flips for s in summaries) if bool((a > 0).any()) else 2
     best, at, threshold = -1.0, 0, 0.0
     for i, j in _row_chunks(*e.shape):
         ee, scale_sq = e[i:j].double(), a[i:j] * b
@@ -270,4 +314,4 @@ def element_test(diff: torch.Tensor, summaries: list[ElementSummary], ref: torch
             best, at = float(stat[k]), i * e.shape[1] + k
             threshold = (allowances * float(storage_allowance(r_all[i:j], ee, stored).reshape(-1)[k])
                          + tail * z * float(scale_sq.reshape(-1)[k].sqrt()))
-    return ElementTest(best / (tail * z), at, tail, z, threshold)
+    return ElementTest(best / (tail * z), at, tail, z, threshold, allowances)
