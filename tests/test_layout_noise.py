@@ -71,6 +71,16 @@ def _run(model: torch.nn.Module, x: torch.Tensor, injector: NoiseInjector | None
     return records
 
 
+def _sample(model: torch.nn.Module, x: torch.Tensor, rule) -> tuple[dict[str, torch.Tensor], NoiseInjector]:
+    """One noise sample under the layout ``rule`` (a ModuleScope on ``model`` for the module names)."""
+    scope = ModuleScope(model)
+    inj = NoiseInjector(torch.Generator().manual_seed(1), mode="probabilistic", module_of=scope, layout=rule)
+    try:
+        return _run(model, x, inj), inj
+    finally:
+        scope.remove()
+
+
 def _setup():
     torch.manual_seed(0)
     model = _Block()
@@ -106,11 +116,7 @@ def test_everything_identical_gives_a_bitwise_clean_sample():
     """A layout that changes nothing: the sample is the clean run bit for bit, forward and backward
     (built-in and custom backward), and the census counts the modelled ops as identical."""
     model, x, clean = _setup()
-    scope = ModuleScope(model)
-    inj = NoiseInjector(torch.Generator().manual_seed(1), mode="probabilistic", module_of=scope,
-                        layout=lambda module, computation: IDENTICAL)
-    noisy = _run(model, x, inj)
-    scope.remove()
+    noisy, inj = _sample(model, x, lambda module, computation: IDENTICAL)
     assert noisy.keys() == clean.keys()
     for k in clean:
         assert torch.equal(noisy[k], clean[k]), k
@@ -132,11 +138,7 @@ def _split_down_rule(module: str, computation: str):
 
 def test_a_split_forward_gemm_moves_only_what_depends_on_it():
     model, x, clean = _setup()
-    scope = ModuleScope(model)
-    inj = NoiseInjector(torch.Generator().manual_seed(1), mode="probabilistic", module_of=scope,
-                        layout=_split_down_rule)
-    noisy = _run(model, x, inj)
-    scope.remove()
+    noisy, inj = _sample(model, x, _split_down_rule)
     for k in ("norm", "up"):  # before the split GEMM
         assert torch.equal(noisy[k], clean[k]), k
     # after it, and the whole backward (the loss depends on the GEMM's result)
@@ -159,11 +161,8 @@ def test_a_split_dgrad_in_a_custom_backward_perturbs_the_input_gradient_only():
     """``dgrad`` inside a custom Function's backward (the module noted by its forward): the input
     gradient moves, the weight gradient (``wgrad``, identical) does not."""
     model, x, clean = _setup()
-    scope = ModuleScope(model)
     rule = lambda module, computation: SPLIT if (module, computation) == ("down", "dgrad") else IDENTICAL  # noqa: E731
-    inj = NoiseInjector(torch.Generator().manual_seed(1), mode="probabilistic", module_of=scope, layout=rule)
-    noisy = _run(model, x, inj)
-    scope.remove()
+    noisy, inj = _sample(model, x, rule)
     for k in ("norm", "up", "down", "grad.down.weight"):
         assert torch.equal(noisy[k], clean[k]), k
     for k in ("grad.up.weight", "grad.norm.weight", "grad.input"):
@@ -172,11 +171,8 @@ def test_a_split_dgrad_in_a_custom_backward_perturbs_the_input_gradient_only():
 
 def test_a_split_token_sum_perturbs_the_norm_weight_gradient_only():
     model, x, clean = _setup()
-    scope = ModuleScope(model)
     rule = lambda module, computation: SPLIT if computation == "token_sum" else IDENTICAL  # noqa: E731
-    inj = NoiseInjector(torch.Generator().manual_seed(1), mode="probabilistic", module_of=scope, layout=rule)
-    noisy = _run(model, x, inj)
-    scope.remove()
+    noisy, inj = _sample(model, x, rule)
     moved = {k for k in clean if not torch.equal(noisy[k], clean[k])}
     assert moved == {"grad.norm.weight", "grad.norm.bias", "grad.up.bias"}, moved
 
@@ -184,10 +180,7 @@ def test_a_split_token_sum_perturbs_the_norm_weight_gradient_only():
 def test_unknown_modules_keep_the_default_model():
     """The rule's None: the op is perturbed as without a layout."""
     model, x, clean = _setup()
-    scope = ModuleScope(model)
     rule = lambda module, computation: None if module == "norm" else IDENTICAL  # noqa: E731
-    inj = NoiseInjector(torch.Generator().manual_seed(1), mode="probabilistic", module_of=scope, layout=rule)
-    noisy = _run(model, x, inj)
-    scope.remove()
+    noisy, inj = _sample(model, x, rule)
     assert not torch.equal(noisy["norm"], clean["norm"])
     assert inj.census()["perturbed"] == {"torch.nn.functional.layer_norm": 1}, inj.census()["perturbed"]
