@@ -42,9 +42,13 @@ class TracedRun:
     or a distributed one (every rank of a TP/DP reference runs the samples in lockstep, stored
     whole, docs/distributed-reference.md; its noise models its own TP split and the candidate's
     ``noise_tp``);
-    ``layout_noise`` (default True): the samples perturb only what candidates with up to ``noise_tp``
+    ``layout_noise``: the samples perturb only what candidates with up to ``noise_tp``
     tensor-parallel ranks compute differently (:func:`tracer.adapters.megatron.layout_rule`);
-    False: every op by two runs' bounds, as before;
+    False: every op by two runs' bounds. Default: True for a re-synchronised reference, False on
+    its own trajectory, where the thresholds after an update rest on the samples flipping Adam's
+    near-zero updates at least as often as a candidate, and layout-derived noise flips fewer
+    (measured: the detection matrix's TP=4 bf16 candidates at seed 2, step 2, the embedding
+    output 1.36x its threshold; docs/detection.md, issue 34);
     ``background``: the writer writes each step on a thread of its own
     (``TraceWriter(background=True)``); ``resync_from``: the candidate's trace (captured with
     ``optim``, full mode) this reference re-synchronises to at every step (:mod:`tracer.capture.resync`)."""
@@ -66,9 +70,9 @@ class TracedRun:
         self.scope = None  # the noise's ModuleScope on the reference model (hooks removed by close)
         samples = int(trace.get("noise_samples", 0))
         if samples:
+            by_layout = trace.get("layout_noise", self.resync_from is not None)
             noise = reference_noise(int(trace.get("noise_tp", 2)), dtype, reference_tp=int(layout.get("tp", 1)),
-                                    model=model if trace.get("layout_noise", True) and not isinstance(model, list)
-                                    else None)
+                                    model=model if by_layout and not isinstance(model, list) else None)
             self.scope = noise["injector_kwargs"].get("module_of")
             self.sampler = NoiseSampler(model, optimizer, self.root, layout=lay, signature=signature,
                                         samples=samples, seed=int(trace.get("noise_seed", 0)),
