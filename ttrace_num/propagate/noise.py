@@ -756,7 +756,7 @@ def _wrap(a, inputs: tuple, fns: list):
 
 
 @contextlib.contextmanager
-def perturb_custom_backward(injector: NoiseInjector, *functions: type) -> Iterator[None]:
+def perturb_custom_backward(injector: TorchFunctionMode, *functions: type) -> Iterator[None]:
     """Run the backward of the given ``torch.autograd.Function`` classes under ``injector``.
 
     Autograd calls a custom Function's ``backward`` without the torch-function modes that
@@ -766,24 +766,30 @@ def perturb_custom_backward(injector: NoiseInjector, *functions: type) -> Iterat
     backward they are ordinary (no-grad) op calls, perturbed by their local bound. The patched
     forward notes the module it runs in (the injector's ``module_of``), and the backward runs with
     it as the injector's :attr:`~NoiseInjector.backward_module`, for the layout's rules
-    (:mod:`.layout`: a GEMM there is a ``dgrad`` or a ``wgrad``).
+    (:mod:`.layout`: a GEMM there is a ``dgrad`` or a ``wgrad``); another ``TorchFunctionMode``
+    as ``injector`` just runs the backward under it.
     """
     saved = {f: (f.__dict__["forward"], f.__dict__["backward"]) for f in functions}
 
+    tracks_modules = isinstance(injector, NoiseInjector)  # any other mode just runs the backward
+
     def patched_forward(orig):
         def forward(ctx, *args, **kwargs):
-            ctx.ttrace_module = injector.module_of()
+            if tracks_modules:
+                ctx.ttrace_module = injector.module_of()
             return orig.__func__(*((ctx,) + args), **kwargs)
         return staticmethod(forward)
 
     def patched_backward(orig):
         def backward(ctx, *grads):
-            before, injector.backward_module = injector.backward_module, getattr(ctx, "ttrace_module", "")
+            if tracks_modules:
+                before, injector.backward_module = injector.backward_module, getattr(ctx, "ttrace_module", "")
             try:
                 with injector:
                     return orig.__func__(ctx, *grads)
             finally:
-                injector.backward_module = before
+                if tracks_modules:
+                    injector.backward_module = before
         return staticmethod(backward)
     try:
         for f, (fwd, bwd) in saved.items():
