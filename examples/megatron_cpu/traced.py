@@ -44,11 +44,13 @@ class TracedRun:
     ``noise_tp``);
     ``layout_noise``: the samples perturb only what candidates with up to ``noise_tp``
     tensor-parallel ranks compute differently (:func:`tracer.adapters.megatron.layout_rule`);
-    False: every op by two runs' bounds. Default: True for a re-synchronised reference, False on
-    its own trajectory, where the thresholds after an update rest on the samples flipping Adam's
-    near-zero updates at least as often as a candidate, and layout-derived noise flips fewer
-    (measured: the detection matrix's TP=4 bf16 candidates at seed 2, step 2, the embedding
-    output 1.36x its threshold; docs/detection.md, issue 34);
+    False (the default): every op by two runs' bounds. Opt-in, because the megatron detection
+    matrix found false positives with it (docs/detection.md, issue 34): on a reference's own
+    trajectory, whose thresholds after an update rest on the samples flipping Adam's near-zero
+    updates as often as a candidate (the TP=4 bf16 rows at seed 2: the step-2 embedding output,
+    1.36x), and on re-synchronised fp32 references, whose gradient norm (computed inside the
+    optimizer's step, not perturbed) no sample moved any more while the candidate's differs by a
+    few ulps (2 of 32 rows, ratio inf);
     ``background``: the writer writes each step on a thread of its own
     (``TraceWriter(background=True)``); ``resync_from``: the candidate's trace (captured with
     ``optim``, full mode) this reference re-synchronises to at every step (:mod:`tracer.capture.resync`)."""
@@ -70,7 +72,7 @@ class TracedRun:
         self.scope = None  # the noise's ModuleScope on the reference model (hooks removed by close)
         samples = int(trace.get("noise_samples", 0))
         if samples:
-            by_layout = trace.get("layout_noise", self.resync_from is not None)
+            by_layout = bool(trace.get("layout_noise", False))
             noise = reference_noise(int(trace.get("noise_tp", 2)), dtype, reference_tp=int(layout.get("tp", 1)),
                                     model=model if by_layout and not isinstance(model, list) else None)
             self.scope = noise["injector_kwargs"].get("module_of")
